@@ -1,0 +1,61 @@
+"""Checkpoint folders a user can take out of the tool.
+
+A checkpoint folder holds:
+
+- ``model.pt``: the plain model's state dict (no ``module.`` prefix; SyncBatchNorm keys are
+  BatchNorm's), loadable with ``load_state_dict(strict=True)`` into ``build_model(...)``.
+- ``train_state.pt``: everything else needed to continue exactly: optimizer, lr scheduler,
+  grad scaler, epoch and step counters, RNG states.
+- ``config.yaml``: the command's configuration, for humans and for ``--config``.
+
+Invariant: a folder is written completely into a fresh temporary directory before anyone (Ray's
+persistence layer, a rename) publishes it, so a crash never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+MODEL_FILE = "model.pt"
+STATE_FILE = "train_state.pt"
+CONFIG_FILE = "config.yaml"
+
+
+def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of the model inside DDP (or any ``.module`` wrapper), on the CPU."""
+    inner = getattr(model, "module", model)
+    return {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
+
+
+def rng_states() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+
+
+def write_checkpoint(model_state: dict, train_state: dict, config_yaml: str, parent: str | None = None) -> Path:
+    """Write a complete checkpoint into a new temporary folder and return it."""
+    folder = Path(tempfile.mkdtemp(prefix="raytrain-ckpt-", dir=parent))
+    torch.save(model_state, folder / MODEL_FILE)
+    torch.save(train_state, folder / STATE_FILE)
+    (folder / CONFIG_FILE).write_text(config_yaml)
+    return folder
+
+
+def read_checkpoint(folder: str | Path) -> tuple[dict, dict]:
+    """``(model_state, train_state)`` of a checkpoint folder."""
+    folder = Path(folder)
+    model_state = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=True)
+    train_state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
+    return model_state, train_state

@@ -1,0 +1,106 @@
+"""The ``raytrain-mp`` command line: parse, validate into a config dataclass, then run.
+
+Invariants: every bad input ends as one line ``raytrain-mp: error: ...`` on stderr and exit code 2
+(argparse's own errors included), raised before Ray starts or any output is written; with
+``--json`` the last line of stdout is one JSON object describing the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from raytrain_mp.config import DDPConfig, PrepareConfig, add_arguments, build_config
+from raytrain_mp.errors import EXIT_USAGE, UsageError
+
+PROG = "raytrain-mp"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the message) rather than the usage block."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's signature
+        print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def emit(result: dict, as_json: bool, title: str) -> None:
+    if as_json:
+        print(json.dumps(result, default=str))
+        return
+    print(title)
+    for key, value in result.items():
+        print(f"  {key}: {value}")
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from raytrain_mp.data import prepare
+
+    cfg = build_config(PrepareConfig, args)
+    meta = prepare(
+        cfg.source, cfg.out, rows_per_shard=cfg.rows_per_shard, overwrite=cfg.overwrite,
+        val_fraction=cfg.val_fraction, seed=cfg.seed, num_samples=cfg.num_samples,
+        image_size=cfg.image_size, num_classes=cfg.num_classes, channels=cfg.channels,
+    )  # fmt: skip
+    result = {
+        "out": cfg.out,
+        "source": meta.source,
+        "train": meta.counts["train"],
+        "val": meta.counts["val"],
+        "image_shape": list(meta.image_shape),
+        "num_classes": meta.num_classes,
+    }
+    emit(result, args.json, f"prepared {cfg.source} into {cfg.out}")
+    return 0
+
+
+def cmd_ddp(args: argparse.Namespace) -> int:
+    cfg = build_config(DDPConfig, args)
+    from raytrain_mp.cluster import ray_connection
+    from raytrain_mp.ddp_trainer import run_ddp
+
+    with ray_connection(cfg.address):
+        result = run_ddp(cfg)
+    emit(result, args.json, "ddp training finished")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog=PROG,
+        description="Distributed training of vision models on Ray: DDP, pipelined model parallelism, lr sweeps.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+
+    data = sub.add_parser("data", help="prepare data sets as Parquet shards")
+    data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=OneLineParser)
+    prep = data_sub.add_parser("prepare", help="write SOURCE as Parquet shards + metadata into --out")
+    prep.add_argument("source", metavar="SOURCE", help="digits | synthetic | cifar10:PATH | imagefolder:PATH")
+    add_arguments(prep, PrepareConfig, positional=("source",))
+    prep.set_defaults(handler=cmd_prepare)
+
+    ddp = sub.add_parser("ddp", help="DistributedDataParallel training on Ray Train")
+    add_arguments(ddp, DDPConfig)
+    ddp.set_defaults(handler=cmd_ddp)
+    return parser
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = args.handler
+    del args.handler
+    for key in ("command", "data_command"):
+        vars(args).pop(key, None)
+    try:
+        return handler(args)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""Command configuration: one validated dataclass per command, filled from YAML and flags.
+
+Invariants:
+- Precedence is dataclass default < ``--config FILE`` (YAML) < command-line flag.
+- Every field is one flag (``--global-batch-size`` for ``global_batch_size``); its help text and
+  accepted values live in the field's metadata, so ``--help`` and the errors cannot drift apart.
+- ``validate()`` is pure (no Ray, no filesystem writes) and runs before any cluster resource is
+  requested; every problem is one ``UsageError`` line naming the option and what it accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from raytrain_mp.errors import UsageError
+from raytrain_mp.models import MODEL_NAMES
+
+C = TypeVar("C")
+
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+OPTIMIZERS = ("sgd", "adamw")
+LR_RULES = ("linear", "sqrt", "none")
+LR_DECAYS = ("cosine", "step", "none")
+
+
+def option(default: Any, help: str, choices: tuple | None = None, hidden: bool = False) -> Any:
+    """A dataclass field that is also a command-line flag."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "hidden": hidden})
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(scalar type, optional?) of a field annotation like ``int | None``."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return inner[0], True
+    return tp, False
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
+    base, optional = _base_type(_field_types(cls)[name])
+    flag = flag_name(name)
+    if value is None:
+        if optional:
+            return None
+        raise UsageError(f"{flag}: a value is required ({source})")
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise UsageError(f"{flag}: expected true or false, got {value!r} ({source})")
+    if base is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise UsageError(f"{flag}: expected a list, got {value!r} ({source})")
+        return value
+    try:
+        if base is int and (isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        if base in (int, float) and isinstance(value, bool):
+            raise ValueError
+        return base(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{flag}: expected {base.__name__}, got {value!r} ({source})") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, positional: tuple[str, ...] = ()) -> None:
+    """Add ``--config`` and one flag per field of ``cls`` (but the ``positional`` ones); unspecified flags stay absent."""
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="YAML file of options (flags win)")
+    for f in dataclasses.fields(cls):
+        if f.name == "json" or f.name in positional:
+            continue
+        base, _ = _base_type(_field_types(cls)[f.name])
+        meta = f.metadata
+        help_text = argparse.SUPPRESS if meta.get("hidden") else f"{meta.get('help', '')} (default: {f.default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+        if base is bool:
+            parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        if meta.get("choices"):
+            kwargs["choices"] = meta["choices"]
+        kwargs["metavar"] = f.name.upper()
+        parser.add_argument(flag_name(f.name), type=str, **kwargs)
+    parser.add_argument("--json", action="store_true", default=False, help="print one JSON object as the last line")
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--config: no such file {path}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UsageError(f"--config: {path} is not valid YAML ({' '.join(str(exc).split())})") from exc
+    if not isinstance(data, dict):
+        raise UsageError(f"--config: {path} must hold a mapping of option: value")
+    return data
+
+
+def build_config(cls: type[C], args: argparse.Namespace | dict[str, Any]) -> C:
+    """The validated config: defaults, then YAML from ``config``, then the given flags."""
+    given = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
+    names = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    config_path = given.pop("config", None)
+    if config_path:
+        for key, value in read_yaml(config_path).items():
+            name = str(key).replace("-", "_")
+            if name not in names or name == "json":
+                raise UsageError(
+                    f"--config: unknown option {key!r} in {config_path}; accepted: {', '.join(sorted(names - {'json'}))}"
+                )
+            values[name] = _coerce(cls, name, value, f"in {config_path}")
+    for name, value in given.items():
+        if name in names:
+            values[name] = value if isinstance(value, bool) or value is None else _coerce(cls, name, _flag_value(value), "flag")
+    config = cls(**values)
+    config.validate()
+    return config
+
+
+def _flag_value(value: Any) -> Any:
+    """Flags arrive as strings; YAML-parse them so ``none``/``null`` and numbers read naturally."""
+    if isinstance(value, str):
+        if value.lower() in ("none", "null"):
+            return None
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+        return parsed if isinstance(parsed, (int, float, list)) and not isinstance(parsed, bool) else value
+    return value
+
+
+def check_choice(cls_or_config: Any, name: str) -> None:
+    meta = next(f.metadata for f in dataclasses.fields(cls_or_config) if f.name == name)
+    value = getattr(cls_or_config, name)
+    if meta.get("choices") and value not in meta["choices"]:
+        raise UsageError(f"{flag_name(name)}: unknown value {value!r}; accepted: {', '.join(meta['choices'])}")
+
+
+def check(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise UsageError(f"{flag_name(name)}: {message}")
+
+
+def check_writable(name: str, path: str) -> None:
+    """A local folder we can create and write into (URIs are checked by pyarrow at run time)."""
+    if "://" in path:
+        return
+    p = Path(path).expanduser()
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    check(existing.is_dir() and os.access(existing, os.W_OK | os.X_OK), name, f"{path} is not writable")
+
+
+def to_yaml(config: Any) -> str:
+    data = {k: v for k, v in dataclasses.asdict(config).items() if k != "json"}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-command configs.
+
+
+@dataclasses.dataclass
+class PrepareConfig:
+    source: str = option("digits", "digits | synthetic | cifar10:PATH | imagefolder:PATH")
+    out: str = option("", "output folder (written atomically)")
+    val_fraction: float = option(0.2, "share of samples held out for validation (digits, synthetic, imagefolder)")
+    seed: int = option(0, "seed of the split and of synthetic images")
+    rows_per_shard: int = option(10_000, "rows per Parquet shard")
+    num_samples: int = option(2048, "synthetic: number of images")
+    image_size: int | None = option(None, "synthetic: side in pixels (default 32); imagefolder: resize to this side")
+    num_classes: int = option(10, "synthetic: number of classes")
+    channels: int = option(3, "synthetic: image channels")
+    overwrite: bool = option(False, "replace --out if it exists")
+    json: bool = False
+
+    def validate(self) -> None:
+        check(bool(self.out), "out", "an output folder is required")
+        check(0.0 < self.val_fraction < 1.0, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        check(self.rows_per_shard >= 1, "rows_per_shard", f"must be >= 1, got {self.rows_per_shard}")
+        check(self.num_samples >= 2, "num_samples", f"must be >= 2, got {self.num_samples}")
+        check(self.image_size is None or self.image_size >= 1, "image_size", f"must be >= 1, got {self.image_size}")
+        check(self.num_classes >= 2, "num_classes", f"must be >= 2, got {self.num_classes}")
+        check(self.channels in (1, 3), "channels", f"accepted: 1 or 3, got {self.channels}")
+
+
+@dataclasses.dataclass
+class DDPConfig:
+    data: str | None = option(None, "prepared data set folder or URI; default: built-in digits")
+    model: str = option("resnet18", "model architecture", MODEL_NAMES)
+    small_stem: bool | None = option(None, "3x3 stride-1 stem without max-pool (default: on below 64 px)")
+    weights: str | None = option(None, "state dict to start from (a model.pt)")
+    num_workers: int = option(2, "Ray Train workers (DDP ranks)")
+    use_gpu: bool | None = option(None, "one GPU per worker (default: when the cluster has GPUs)")
+    cpus_per_worker: int = option(1, "CPUs per worker; also its torch thread count")
+    address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
+    epochs: int = option(6, "training epochs")
+    global_batch_size: int = option(64, "samples per optimizer step over all workers")
+    base_lr: float = option(0.4, "learning rate at --base-batch samples; scaled to the global batch")
+    base_batch: int = option(256, "batch size at which --base-lr applies")
+    lr_rule: str = option("linear", "how lr scales with the global batch", LR_RULES)
+    warmup_epochs: float = option(1.0, "gradual linear warmup from base lr to scaled lr over these epochs")
+    lr_decay: str = option("cosine", "decay after warmup", LR_DECAYS)
+    step_epochs: int = option(30, "step decay: multiply lr by --gamma every this many epochs")
+    gamma: float = option(0.1, "step decay factor")
+    optimizer: str = option("sgd", "optimizer", OPTIMIZERS)
+    momentum: float = option(0.9, "SGD momentum")
+    weight_decay: float = option(5e-4, "weight decay (never on BatchNorm and bias)")
+    precision: str = option("fp32", "fp32 | bf16 (autocast) | fp16 (CUDA, GradScaler) | fp64 (verification)", PRECISIONS)
+    grad_accum_steps: int = option(1, "micro-steps accumulated per optimizer step (DDP no_sync)")
+    sync_bn: bool = option(True, "synchronize BatchNorm statistics across workers")
+    augment: bool = option(False, "random crop and horizontal flip, seeded per sample and epoch")
+    seed: int = option(0, "seed of the model init, sampler order and augmentation")
+    storage_path: str = option("~/ray_results", "where runs and checkpoints go (local folder, NFS, s3://...)")
+    name: str | None = option(None, "run name; rerun with the same name to resume (default: ddp-<time>)")
+    checkpoint_every: int = option(1, "write a checkpoint every this many epochs (and after the last)")
+    num_to_keep: int = option(2, "checkpoints kept")
+    max_failures: int = option(0, "worker-group restarts from the last checkpoint")
+    resume_from: str | None = option(None, "checkpoint folder (holding model.pt) to resume from")
+    log_every: int = option(50, "progress line every this many steps within an epoch (0: off)")
+    inject_fault: str | None = option(None, "testing: RANK:EPOCH:MARKER crashes RANK once after EPOCH", hidden=True)
+    json: bool = False
+
+    def validate(self) -> None:
+        for name in ("model", "lr_rule", "lr_decay", "optimizer", "precision"):
+            check_choice(self, name)
+        check(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
+        check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
+        check(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
+        check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")
+        step_batch = self.num_workers * self.grad_accum_steps
+        check(
+            self.global_batch_size % step_batch == 0,
+            "global_batch_size",
+            f"{self.global_batch_size} is not divisible by --num-workers {self.num_workers}"
+            + (f" x --grad-accum-steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else "")
+            + f"; accepted: a multiple of {step_batch}",
+        )
+        check(self.base_lr > 0, "base_lr", f"must be > 0, got {self.base_lr}")
+        check(self.base_batch >= 1, "base_batch", f"must be >= 1, got {self.base_batch}")
+        check(self.warmup_epochs >= 0, "warmup_epochs", f"must be >= 0, got {self.warmup_epochs}")
+        check(self.step_epochs >= 1, "step_epochs", f"must be >= 1, got {self.step_epochs}")
+        check(0 < self.gamma <= 1, "gamma", f"must be in (0, 1], got {self.gamma}")
+        check(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
+        check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(self.grad_accum_steps >= 1, "grad_accum_steps", f"must be >= 1, got {self.grad_accum_steps}")
+        check(self.checkpoint_every >= 1, "checkpoint_every", f"must be >= 1, got {self.checkpoint_every}")
+        check(self.num_to_keep >= 1, "num_to_keep", f"must be >= 1, got {self.num_to_keep}")
+        check(self.max_failures >= -1, "max_failures", f"must be >= 0 (or -1: unlimited), got {self.max_failures}")
+        check(self.log_every >= 0, "log_every", f"must be >= 0, got {self.log_every}")
+        check(
+            not (self.precision == "fp16" and self.use_gpu is False),
+            "precision",
+            "fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32",
+        )
+        check_writable("storage_path", self.storage_path)
+        if self.weights is not None:
+            check(Path(self.weights).is_file(), "weights", f"no such file {self.weights}")
+        if self.resume_from is not None:
+            check(
+                (Path(self.resume_from) / "model.pt").is_file() or "://" in self.resume_from,
+                "resume_from",
+                f"{self.resume_from} holds no model.pt; accepted: a checkpoint folder written by this tool",
+            )
+        if self.inject_fault is not None:
+            parts = self.inject_fault.split(":", 2)
+            check(len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit(), "inject_fault", "accepted: RANK:EPOCH:MARKER")

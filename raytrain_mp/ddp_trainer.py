@@ -1,0 +1,83 @@
+"""Run the DDP loop on Ray Train: build the ``TorchTrainer`` from a ``DDPConfig`` and fit it.
+
+Knows Ray Train's configuration objects and nothing of the model's internals. Invariants: the data
+set is resolved and validated, and the resource request checked against the cluster, before the
+trainer is built; NCCL is the backend exactly when workers hold GPUs, gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from raytrain_mp.checkpointing import MODEL_FILE
+from raytrain_mp.config import DDPConfig
+from raytrain_mp.cluster import check_fits, resolve_use_gpu
+from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
+from raytrain_mp.errors import UsageError
+from raytrain_mp.train_loop import train_loop_per_worker
+
+
+def prepared_config(cfg: DDPConfig) -> DDPConfig:
+    """The config the workers get: data resolved and validated, run name fixed, GPU use decided."""
+    data = resolve_dataset(cfg.data)
+    meta = read_meta(data)
+    ParquetImageDataset(data, "train", meta=meta)  # opens and checks every shard now, not on a worker
+    ParquetImageDataset(data, "val", meta=meta)
+    if cfg.global_batch_size > meta.counts["train"]:
+        raise UsageError(f"--global-batch-size {cfg.global_batch_size} exceeds the {meta.counts['train']} training samples")
+    use_gpu = resolve_use_gpu(cfg.use_gpu)
+    if cfg.precision == "fp16" and not use_gpu:
+        raise UsageError("--precision: fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32")
+    check_fits("--num-workers", cfg.num_workers, cfg.cpus_per_worker, 1 if use_gpu else 0)
+    name = cfg.name or time.strftime("ddp-%Y%m%d-%H%M%S")
+    storage = cfg.storage_path if "://" in cfg.storage_path else str(Path(cfg.storage_path).expanduser().resolve())
+    return dataclasses.replace(cfg, data=data, use_gpu=use_gpu, name=name, storage_path=storage)
+
+
+def build_trainer(cfg: DDPConfig) -> TorchTrainer:
+    """A TorchTrainer for an already prepared config."""
+    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=dataclasses.asdict(cfg),
+        torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(
+            name=cfg.name,
+            storage_path=cfg.storage_path,
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_to_keep),
+        ),
+    )
+
+
+def summarize(result, cfg: DDPConfig) -> dict:
+    """The final JSON line: last reported metrics plus where the model is."""
+    metrics = dict(result.metrics or {})
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    return {
+        "val_accuracy": metrics.get("val_accuracy"),
+        "val_loss": metrics.get("val_loss"),
+        "val_count": metrics.get("val_count"),
+        "train_loss": metrics.get("train_loss"),
+        "epochs": metrics.get("epoch"),
+        "world_size": metrics.get("world_size"),
+        "global_batch_size": cfg.global_batch_size,
+        "lr": metrics.get("lr"),
+        "samples_per_second": metrics.get("samples_per_second"),
+        "checkpoint": checkpoint,
+        "model": f"{checkpoint}/{MODEL_FILE}" if checkpoint else None,
+        "run": f"{cfg.storage_path.rstrip('/')}/{cfg.name}",
+    }
+
+
+def run_ddp(cfg: DDPConfig) -> dict:
+    """Fit on the connected Ray cluster and return the summary; raises on a failed run."""
+    cfg = prepared_config(cfg)
+    result = build_trainer(cfg).fit()
+    return summarize(result, cfg)

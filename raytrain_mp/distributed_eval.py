@@ -1,0 +1,57 @@
+"""Distributed evaluation that counts every validation sample exactly once.
+
+``DistributedSampler`` pads the index list with duplicates so every rank gets the same count
+(pytorch issue 25162); evaluating through it over-counts up to world_size - 1 samples. torch has
+no non-padding variant, hence ``ShardSampler`` here: rank r takes indices r, r + W, r + 2W, ...,
+so the ranks' shards are disjoint and cover the split exactly, with counts differing by at most one.
+Metrics are summed (loss sum, correct count, sample count) and all-reduced, never averaged per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Sampler
+
+
+class ShardSampler(Sampler[int]):
+    """Indices ``rank, rank + world_size, ...`` below ``length``: disjoint, covering, unpadded."""
+
+    def __init__(self, length: int, rank: int, world_size: int) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.length, self.rank, self.world_size = length, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.length, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.length, self.world_size))
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum plain numbers over the process group (identity without one), in float64."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device: torch.device, autocast=nullcontext) -> dict[str, float]:
+    """Global loss, accuracy and the exact number of samples evaluated across all ranks."""
+    model.eval()
+    loss_sum = correct = count = 0.0
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast():
+            logits = model(x)
+        loss_sum += nn.functional.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y, reduction="sum").item()
+        correct += (logits.argmax(dim=1) == y).sum().item()
+        count += y.numel()
+    loss_sum, correct, count = all_reduce_sum([loss_sum, correct, count], device)
+    return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_count": int(count)}

@@ -1,0 +1,129 @@
+"""Flatten a model into an ordered list of named blocks, and build a stage from a run of blocks.
+
+Job: know model internals (torchvision ResNets and plain ``nn.Sequential``; more through
+``_FLATTENERS``) so that partitioning and the Ray stage code never have to.
+
+A block names the modules it runs by their original dotted paths (``"layer3.0"``); it does not
+hold the modules. A ``StageModule`` registers each named module under the same path, so:
+
+Invariants:
+- Running the blocks of ``flatten_model(model)`` in order on ``model`` equals ``model(x)``.
+- Every parameter and buffer of the model lies under exactly one block's paths (checked), so the
+  state dicts of stages built from disjoint runs of blocks are disjoint, carry the original keys
+  (``"layer3.0.conv1.weight"``), and their union loads into the model with ``strict=True``.
+- Blocks refer to modules by path, so replacing a module inside a stage (e.g. converting its
+  BatchNorms) keeps the stage runnable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torchvision.models import ResNet
+
+from raytrain_mp.errors import UsageError
+
+Runner = Callable[[Sequence[nn.Module], Tensor], Tensor]
+
+
+def run_in_order(modules: Sequence[nn.Module], x: Tensor) -> Tensor:
+    """The common case: a block is its modules applied one after another."""
+    for module in modules:
+        x = module(x)
+    return x
+
+
+def _resnet_head(modules: Sequence[nn.Module], x: Tensor) -> Tensor:
+    # torchvision's ResNet.forward flattens between avgpool and fc with a function, not a module.
+    avgpool, fc = modules
+    return fc(torch.flatten(avgpool(x), 1))
+
+
+@dataclass(frozen=True)
+class Block:
+    """One unit of the flattened model: the modules at ``paths``, run by ``run``."""
+
+    name: str
+    paths: tuple[str, ...]
+    run: Runner = run_in_order
+
+    def forward_on(self, root: nn.Module, x: Tensor) -> Tensor:
+        """Run this block with the modules found at its paths under ``root``."""
+        return self.run([root.get_submodule(path) for path in self.paths], x)
+
+
+def _flatten_resnet(model: ResNet) -> list[Block]:
+    blocks = [Block("stem", ("conv1", "bn1", "relu", "maxpool"))]
+    for layer in ("layer1", "layer2", "layer3", "layer4"):
+        blocks += [Block(f"{layer}.{i}", (f"{layer}.{i}",)) for i in range(len(getattr(model, layer)))]
+    blocks.append(Block("head", ("avgpool", "fc"), _resnet_head))
+    return blocks
+
+
+def _flatten_sequential(model: nn.Sequential) -> list[Block]:
+    return [Block(name, (name,)) for name, _ in model.named_children()]
+
+
+# Checked in order with isinstance; the only place that knows how a model type runs.
+_FLATTENERS: dict[type, Callable[[nn.Module], list[Block]]] = {
+    ResNet: _flatten_resnet,
+    nn.Sequential: _flatten_sequential,
+}
+
+
+def flatten_model(model: nn.Module) -> list[Block]:
+    """The model's blocks in forward order (ResNet: stem, each residual block, head)."""
+    for model_type, flatten in _FLATTENERS.items():
+        if isinstance(model, model_type):
+            blocks = flatten(model)
+            _check_covers_state(model, blocks)
+            return blocks
+    known = ", ".join(t.__name__ for t in _FLATTENERS)
+    raise UsageError(f"model: cannot cut a {type(model).__name__} into pipeline blocks; supported: {known}")
+
+
+def _check_covers_state(model: nn.Module, blocks: Sequence[Block]) -> None:
+    prefixes = tuple(f"{path}." for block in blocks for path in block.paths)
+    outside = [key for key in model.state_dict() if not key.startswith(prefixes)]
+    if outside:
+        raise UsageError(f"model: state outside every pipeline block: {', '.join(outside[:5])}")
+
+
+def block_parameter_counts(model: nn.Module, blocks: Sequence[Block]) -> list[int]:
+    """Number of parameter elements each block owns."""
+    return [
+        sum(p.numel() for path in block.paths for p in model.get_submodule(path).parameters())
+        for block in blocks
+    ]
+
+
+class StageModule(nn.Module):
+    """A contiguous run of blocks whose modules sit under their original paths.
+
+    Intermediate containers (``layer3`` for ``layer3.0``) are empty ``nn.Module``s: they add no
+    state, so the state-dict keys are exactly the original model's keys for these blocks.
+    """
+
+    def __init__(self, model: nn.Module, blocks: Sequence[Block]) -> None:
+        super().__init__()
+        self.blocks = tuple(blocks)
+        for block in self.blocks:
+            for path in block.paths:
+                self._attach(path, model.get_submodule(path))
+
+    def _attach(self, path: str, module: nn.Module) -> None:
+        *parents, leaf = path.split(".")
+        owner: nn.Module = self
+        for name in parents:
+            if name not in owner._modules:
+                owner.add_module(name, nn.Module())
+            owner = owner._modules[name]
+        owner.add_module(leaf, module)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block.forward_on(self, x)
+        return x

@@ -1,0 +1,53 @@
+"""Split a mini-batch into micro-batches for the pipeline.
+
+Job: cut inputs and targets along the batch dimension into ``m`` micro-batches and give each its
+share of the batch. Pure torch.
+
+Invariants:
+- Sizes follow ``torch.tensor_split``: the first ``B % m`` micro-batches hold ``B // m + 1``
+  samples, the rest ``B // m`` (10 samples, m=4: 3, 3, 2, 2); concatenated they are the batch.
+- ``weight`` is the micro-batch's share of the batch, so the weighted sum of per-micro-batch
+  mean losses is the batch mean loss and accumulated gradients equal the full-batch gradient.
+- Each micro-batch owns its memory (a copy, not a view), so serializing it to a stage sends only
+  its own samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from raytrain_mp.errors import UsageError
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    index: int
+    inputs: Tensor
+    targets: Tensor | None
+    weight: float
+
+
+def check_microbatches(num_microbatches: int, batch_size: int) -> None:
+    if num_microbatches < 1:
+        raise UsageError(f"num_microbatches: need at least 1 micro-batch, got {num_microbatches}")
+    if num_microbatches > batch_size:
+        raise UsageError(
+            f"num_microbatches: {num_microbatches} micro-batches need a batch of at least "
+            f"{num_microbatches} samples, got {batch_size}"
+        )
+
+
+def split_batch(inputs: Tensor, targets: Tensor | None, num_microbatches: int) -> list[MicroBatch]:
+    """``num_microbatches`` micro-batches of ``inputs`` (and ``targets``, if given)."""
+    batch_size = len(inputs)
+    check_microbatches(num_microbatches, batch_size)
+    if targets is not None and len(targets) != batch_size:
+        raise UsageError(f"targets: {len(targets)} targets for {batch_size} inputs")
+    xs = inputs.tensor_split(num_microbatches)
+    ys = targets.tensor_split(num_microbatches) if targets is not None else [None] * num_microbatches
+    return [
+        MicroBatch(j, x.clone(), None if y is None else y.clone(), len(x) / batch_size)
+        for j, (x, y) in enumerate(zip(xs, ys))
+    ]

@@ -1,0 +1,167 @@
+"""Cut an ordered list of blocks into contiguous pipeline stages.
+
+Job: decide which blocks each stage holds — from explicit split points, from per-block costs
+(parameter counts, or forward+backward seconds measured by ``profile_blocks``) — and report
+each stage's cost and parameter share. Pure: no Ray; profiling needs only torch.
+
+A partition is given by ``bounds``: ``num_stages + 1`` increasing block indices from 0 to the
+number of blocks; stage ``s`` holds blocks ``bounds[s]:bounds[s + 1]``.
+
+Invariants:
+- Every stage holds at least one block; the stages cover the blocks in order.
+- ``balance_bounds`` is exact: no contiguous partition has a smaller maximum stage cost.
+- Bad input raises a one-line ``UsageError`` naming the option, before any resource is used.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+from torch import Tensor, nn
+
+from raytrain_mp.errors import UsageError
+from raytrain_mp.pipeline.blocks import Block
+
+BALANCE_MODES = ("time", "params")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What one stage holds and what it costs."""
+
+    index: int
+    blocks: tuple[str, ...]
+    params: int
+    param_share: float
+    seconds: float | None  # measured forward+backward seconds per micro-batch; None if not profiled
+
+
+def check_stage_count(num_blocks: int, num_stages: int) -> None:
+    if num_stages < 1:
+        raise UsageError(f"num_stages: need at least 1 stage, got {num_stages}")
+    if num_stages > num_blocks:
+        raise UsageError(f"num_stages: {num_stages} stages need at least {num_stages} blocks; the model has {num_blocks}")
+
+
+def split_bounds(block_names: Sequence[str], split_points: Sequence[str], num_stages: int) -> list[int]:
+    """Bounds that cut before each split point.
+
+    A split point names a block (``"layer3.0"``) or a group of blocks by prefix (``"layer3"``
+    cuts before its first block, the seeds' ``seq1``/``seq2`` split).
+    """
+    check_stage_count(len(block_names), num_stages)
+    if len(split_points) != num_stages - 1:
+        raise UsageError(
+            f"split_points: {num_stages} stages need {num_stages - 1} split point(s), got {len(split_points)}"
+        )
+    bounds = [0]
+    for point in split_points:
+        start = _first_block(block_names, point)
+        if start == 0:
+            raise UsageError(f"split_points: cutting before {point!r} would leave stage 0 empty")
+        if start <= bounds[-1]:
+            raise UsageError(
+                f"split_points: {point!r} does not come after {block_names[bounds[-1]]!r}; give split points in model order"
+            )
+        bounds.append(start)
+    return bounds + [len(block_names)]
+
+
+def _first_block(block_names: Sequence[str], point: str) -> int:
+    for index, name in enumerate(block_names):
+        if name == point or name.startswith(f"{point}."):
+            return index
+    raise UsageError(f"split_points: {point!r} names no block; blocks: {', '.join(block_names)}")
+
+
+def balance_bounds(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Contiguous bounds minimizing the largest stage cost (exact dynamic programme, O(k n^2))."""
+    n = len(costs)
+    check_stage_count(n, num_stages)
+    prefix = [0.0, *accumulate(costs)]
+    # best[k][i]: smallest max-cost of cutting blocks[:i] into k stages; cut[k][i]: where the last starts.
+    best = [[float("inf")] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                candidate = max(best[k - 1][j], prefix[i] - prefix[j])
+                if candidate < best[k][i]:
+                    best[k][i], cut[k][i] = candidate, j
+    bounds = [n]
+    for k in range(num_stages, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def plan_stages(
+    block_names: Sequence[str],
+    bounds: Sequence[int],
+    param_counts: Sequence[int],
+    seconds: Sequence[float] | None = None,
+) -> list[StagePlan]:
+    """The report of a partition: blocks, parameter share and (when profiled) time per stage."""
+    total = sum(param_counts) or 1
+    plans = []
+    for index, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        params = sum(param_counts[start:stop])
+        plans.append(
+            StagePlan(
+                index=index,
+                blocks=tuple(block_names[start:stop]),
+                params=params,
+                param_share=params / total,
+                seconds=None if seconds is None else sum(seconds[start:stop]),
+            )
+        )
+    return plans
+
+
+def profile_blocks(
+    model: nn.Module,
+    blocks: Sequence[Block],
+    sample: Tensor,
+    device: torch.device | str = "cpu",
+    repeats: int = 3,
+    autocast_bf16: bool = False,
+) -> list[float]:
+    """Median forward+backward seconds of each block on ``device``, for one input ``sample``.
+
+    ``sample`` should be shaped like one micro-batch: per-sample cost is not constant in the
+    batch size (small batches cost more per sample on CPU). Runs on a copy in train mode, so the
+    caller's BatchNorm statistics and gradients stay untouched. One warm-up pass is not counted.
+    """
+    device = torch.device(device)
+    dtype = next(model.parameters()).dtype
+    model = copy.deepcopy(model).to(device).train()
+    x = sample.to(device=device, dtype=dtype) if sample.is_floating_point() else sample.to(device)
+    samples: list[list[float]] = [[] for _ in blocks]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
+    for repeat in range(repeats + 1):
+        h = x
+        for index, block in enumerate(blocks):
+            # Later stages receive their input as a leaf that needs a gradient; time that too.
+            inp = h.detach().requires_grad_(index > 0 and h.is_floating_point())
+            _synchronize(device)
+            start = time.perf_counter()
+            with autocast:
+                out = block.forward_on(model, inp)
+            out.backward(torch.ones_like(out))
+            _synchronize(device)
+            if repeat > 0:
+                samples[index].append(time.perf_counter() - start)
+            h = out
+    return [statistics.median(s) for s in samples]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

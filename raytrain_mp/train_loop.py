@@ -1,0 +1,196 @@
+"""The DDP training loop that every Ray Train worker runs (``train_loop_per_worker``).
+
+Reads top to bottom: set up, build data and model, restore, then epochs of (train, evaluate,
+report). Invariants that make the trained model independent of the number of workers:
+
+- The global batch is fixed; each of W ranks takes G / W samples per step from a
+  ``DistributedSampler`` (shuffle, seed, ``set_epoch`` every epoch), so step k of every run sees the
+  same global set of samples. An epoch is ``len(train) // G`` full global steps (the tail that does
+  not fill a global batch is dropped, as in Goyal et al.), which keeps this true for any split size.
+- The loss is a sum over the rank's samples divided by the all-reduced sample count of the whole
+  optimizer step, times W because DDP averages gradients over ranks: the gradient is the
+  single-process full-batch mean gradient, also when ranks hold different numbers of samples.
+- BatchNorm is synchronized (``convert_sync_batchnorm``) unless ``sync_bn`` is off.
+- Every rank calls ``ray.train.report`` once per epoch; only rank 0 attaches a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from functools import partial
+from pathlib import Path
+
+import ray.train
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from raytrain_mp.checkpointing import plain_state_dict, read_checkpoint, rng_states, set_rng_states, write_checkpoint
+from raytrain_mp.config import DDPConfig, to_yaml
+from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
+from raytrain_mp.distributed_eval import ShardSampler, all_reduce_sum, evaluate
+from raytrain_mp.lr_schedule import make_schedule
+from raytrain_mp.models import build_model, wants_small_stem
+from raytrain_mp.sync_batchnorm import convert_sync_batchnorm
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on conv and linear weights only; never on BatchNorm parameters or biases."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (decay if p.ndim > 1 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(cfg: DDPConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
+    return torch.optim.AdamW(groups, lr=lr)
+
+
+def autocast_for(precision: str, device: torch.device):
+    if precision == "bf16":
+        return partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
+    if precision == "fp16":
+        return partial(torch.autocast, device_type=device.type, dtype=torch.float16)
+    return nullcontext
+
+
+def maybe_inject_fault(spec: str | None, rank: int, epoch: int) -> None:
+    """Testing hook: ``RANK:EPOCH:MARKER`` crashes RANK once after EPOCH (the marker file says it did)."""
+    if spec is None:
+        return
+    fault_rank, fault_epoch, marker = spec.split(":", 2)
+    if rank == int(fault_rank) and epoch == int(fault_epoch) and not Path(marker).exists():
+        Path(marker).write_text(f"rank {rank} crashed after epoch {epoch}\n")
+        raise RuntimeError(f"injected fault: rank {rank} after epoch {epoch}")
+
+
+def train_loop_per_worker(config: dict) -> None:
+    cfg = DDPConfig(**config)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(cfg.cpus_per_worker)  # Ray sets OMP_NUM_THREADS; torch's pool is ours to size
+    device = ray.train.torch.get_device()
+    dtype = torch.float64 if cfg.precision == "fp64" else torch.float32
+    autocast = autocast_for(cfg.precision, device)
+
+    # Data: per-rank batch of a fixed global batch; the val split is sharded without padding.
+    root = resolve_dataset(cfg.data)
+    meta = read_meta(root)
+    train_ds = ParquetImageDataset(root, "train", augment=cfg.augment, seed=cfg.seed, dtype=dtype, meta=meta)
+    val_ds = ParquetImageDataset(root, "val", dtype=dtype, meta=meta)
+    micro_batch = cfg.global_batch_size // (world * cfg.grad_accum_steps)
+    sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    pin = device.type == "cuda"
+    train_loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, pin_memory=pin)
+    val_loader = DataLoader(val_ds, batch_size=max(micro_batch, 64), sampler=ShardSampler(len(val_ds), rank, world), pin_memory=pin)
+    steps_per_epoch = len(train_ds) // cfg.global_batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(f"--global-batch-size {cfg.global_batch_size} exceeds the {len(train_ds)} training samples")
+
+    # Model: same seeded init on every rank; DDP broadcasts rank 0's parameters anyway.
+    torch.manual_seed(cfg.seed)
+    small_stem = wants_small_stem(meta.image_size) if cfg.small_stem is None else cfg.small_stem
+    model = build_model(cfg.model, meta.num_classes, meta.channels, small_stem, cfg.weights).to(dtype)
+    if cfg.sync_bn and world > 1:
+        model = convert_sync_batchnorm(model, device=device)
+    model.to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    schedule = make_schedule(
+        cfg.base_lr, cfg.global_batch_size, cfg.base_batch, cfg.lr_rule, cfg.warmup_epochs,
+        cfg.epochs, steps_per_epoch, cfg.lr_decay, cfg.step_epochs, cfg.gamma,
+    )  # fmt: skip
+    optimizer = make_optimizer(cfg, ddp, schedule.peak_lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+
+    # Restore: Ray's checkpoint (a restarted worker group, or a rerun of the same name) wins over --resume-from.
+    start_epoch = 0
+    checkpoint = ray.train.get_checkpoint()
+    resume_dir = None
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            model_state, train_state = read_checkpoint(d)
+        resume_dir = checkpoint.path
+    elif cfg.resume_from:
+        model_state, train_state = read_checkpoint(cfg.resume_from)
+        resume_dir = cfg.resume_from
+    if resume_dir is not None:
+        ddp.module.load_state_dict(model_state, strict=True)
+        optimizer.load_state_dict(train_state["optimizer"])
+        scheduler.load_state_dict(train_state["scheduler"])
+        scaler.load_state_dict(train_state["scaler"])
+        set_rng_states(train_state["rng"])
+        start_epoch = train_state["epoch"] + 1
+        if rank == 0:
+            print(f"resumed from {resume_dir} at epoch {start_epoch}", flush=True)
+
+    for epoch in range(start_epoch, cfg.epochs):
+        sampler.set_epoch(epoch)
+        train_ds.set_epoch(epoch)
+        ddp.train()
+        started = time.perf_counter()
+        batches = iter(train_loader)
+        loss_sum = samples = 0.0
+        for step in range(steps_per_epoch):
+            micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
+            (step_count,) = all_reduce_sum([float(sum(len(y) for _, y in micro))], device)
+            for i, (x, y) in enumerate(micro):
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                sync = ddp.no_sync if i < len(micro) - 1 else nullcontext
+                with sync(), autocast():
+                    logits = ddp(x)
+                    loss = nn.functional.cross_entropy(logits, y, reduction="sum")
+                scaler.scale(loss * (world / step_count)).backward()
+                loss_sum += loss.item()
+                samples += len(y)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            if rank == 0 and cfg.log_every and (step + 1) % cfg.log_every == 0:
+                print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} loss {loss_sum / samples:.4f}", flush=True)
+        elapsed = time.perf_counter() - started
+        train_loss_sum, train_samples = all_reduce_sum([loss_sum, samples], device)
+
+        metrics = {
+            "epoch": epoch + 1,
+            "train_loss": train_loss_sum / train_samples,
+            **evaluate(ddp, val_loader, device, autocast),
+            "samples_per_second": train_samples / elapsed,
+            "lr": optimizer.param_groups[0]["lr"],
+            "world_size": world,
+            "global_batch_size": cfg.global_batch_size,
+        }
+        if not all(math.isfinite(v) for v in metrics.values()):
+            raise FloatingPointError(f"non-finite metrics at epoch {epoch + 1}: {metrics}; lower --base-lr")
+        last = epoch + 1 == cfg.epochs
+        checkpoint = None
+        if rank == 0 and ((epoch + 1) % cfg.checkpoint_every == 0 or last):
+            train_state = {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict(),
+                "epoch": epoch,
+                "rng": rng_states(),
+            }
+            folder = write_checkpoint(plain_state_dict(ddp), train_state, to_yaml(cfg))
+            checkpoint = ray.train.Checkpoint.from_directory(folder)
+        if rank == 0:
+            print(
+                f"epoch {epoch + 1}/{cfg.epochs} train_loss {metrics['train_loss']:.4f} "
+                f"val_loss {metrics['val_loss']:.4f} val_accuracy {metrics['val_accuracy']:.4f} "
+                f"samples/s {metrics['samples_per_second']:.1f} lr {metrics['lr']:.5f}",
+                flush=True,
+            )
+        ray.train.report(metrics, checkpoint=checkpoint, delete_local_checkpoint_after_upload=True)
+        maybe_inject_fault(cfg.inject_fault, rank, epoch + 1)
+    if dist.is_initialized():
+        dist.barrier()
