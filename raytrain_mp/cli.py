@@ -57,10 +57,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_ddp(args: argparse.Namespace) -> int:
-    cfg = build_config(DDPConfig, args)
     from raytrain_mp.cluster import ray_connection
-    from raytrain_mp.ddp_trainer import run_ddp
+    from raytrain_mp.ddp_trainer import run_ddp, with_checked_data
 
+    cfg = with_checked_data(build_config(DDPConfig, args))
     with ray_connection(cfg.address):
         result = run_ddp(cfg)
     emit(result, args.json, "ddp training finished")

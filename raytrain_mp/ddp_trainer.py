@@ -22,21 +22,28 @@ from raytrain_mp.errors import UsageError
 from raytrain_mp.train_loop import train_loop_per_worker
 
 
-def prepared_config(cfg: DDPConfig) -> DDPConfig:
-    """The config the workers get: data resolved and validated, run name fixed, GPU use decided."""
+def with_checked_data(cfg: DDPConfig) -> DDPConfig:
+    """``cfg`` with its data set resolved (the built-in default prepared) and every shard checked.
+
+    Needs no Ray, so a bad data set is reported before any cluster resource is requested."""
     data = resolve_dataset(cfg.data)
     meta = read_meta(data)
     ParquetImageDataset(data, "train", meta=meta)  # opens and checks every shard now, not on a worker
     ParquetImageDataset(data, "val", meta=meta)
     if cfg.global_batch_size > meta.counts["train"]:
         raise UsageError(f"--global-batch-size {cfg.global_batch_size} exceeds the {meta.counts['train']} training samples")
+    return dataclasses.replace(cfg, data=data)
+
+
+def with_cluster_settings(cfg: DDPConfig) -> DDPConfig:
+    """``cfg`` with GPU use decided and the request checked against the connected cluster."""
     use_gpu = resolve_use_gpu(cfg.use_gpu)
     if cfg.precision == "fp16" and not use_gpu:
         raise UsageError("--precision: fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32")
     check_fits("--num-workers", cfg.num_workers, cfg.cpus_per_worker, 1 if use_gpu else 0)
     name = cfg.name or time.strftime("ddp-%Y%m%d-%H%M%S")
     storage = cfg.storage_path if "://" in cfg.storage_path else str(Path(cfg.storage_path).expanduser().resolve())
-    return dataclasses.replace(cfg, data=data, use_gpu=use_gpu, name=name, storage_path=storage)
+    return dataclasses.replace(cfg, use_gpu=use_gpu, name=name, storage_path=storage)
 
 
 def build_trainer(cfg: DDPConfig) -> TorchTrainer:
@@ -77,7 +84,9 @@ def summarize(result, cfg: DDPConfig) -> dict:
 
 
 def run_ddp(cfg: DDPConfig) -> dict:
-    """Fit on the connected Ray cluster and return the summary; raises on a failed run."""
-    cfg = prepared_config(cfg)
+    """Fit on the connected Ray cluster and return the summary; raises on a failed run.
+
+    ``cfg`` must have passed ``with_checked_data``."""
+    cfg = with_cluster_settings(cfg)
     result = build_trainer(cfg).fit()
     return summarize(result, cfg)

@@ -69,7 +69,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             sum_centered = centered.sum(dim=reduce_dims).double()
             sum_squares = centered.square().sum(dim=reduce_dims).double()
             local_mean = shift.double() + sum_centered / count
-            local_m2 = (input.square().sum(dim=reduce_dims) - count * shift.square()).double()
+            local_m2 = sum_squares - sum_centered.square() / count
         else:
             # An empty rank still joins the all_gather; its zero count removes it from the merge.
             local_mean = local_m2 = input.new_zeros(channels, dtype=torch.float64)

@@ -88,6 +88,30 @@ def _two_steps(bn: nn.Module, data: dict[str, Tensor], rows: slice) -> dict[str,
     }
 
 
+def _small_net(norm: type[nn.Module]) -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), norm(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 5)
+    ).double()
+
+
+def _ddp_data() -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(99)
+    x = torch.randn(sum(SIZES), 3, 6, 6, generator=gen, dtype=torch.float64)
+    return x, torch.randint(0, 5, (sum(SIZES),), generator=gen)
+
+
+def _sgd_steps(model: nn.Module, x: Tensor, y: Tensor, loss_scale: float) -> dict[str, Tensor]:
+    """Two SGD steps on ``sum of per-sample losses * loss_scale``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y, reduction="sum") * loss_scale
+        loss.backward()
+        optimizer.step()
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -108,6 +132,13 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         "running_mean": bn.running_mean.clone(),
         "running_var": bn.running_var.clone(),
     }
+
+    # DDP averages gradients over ranks, so each rank scales its summed loss by W / N_global.
+    ddp = nn.parallel.DistributedDataParallel(_small_net(nn.BatchNorm2d))
+    x, y = _ddp_data()
+    rows = _rank_slice(SIZES, rank)
+    state = _sgd_steps(ddp, x[rows], y[rows], WORLD_SIZE / sum(SIZES))
+    results["ddp"] = {key.removeprefix("module."): value for key, value in state.items()}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -181,6 +212,19 @@ def test_statistics_are_stable_in_float32(gloo_results: list[dict[str, Any]]) ->
     assert err(ours_mean, exact.running_mean) <= 4 * err(torch_fp32.running_mean, exact.running_mean) + 1e-6
     # The formula the module avoids: off by far more than the whole float32 error budget.
     assert naive_var_err > 100 * max(var_err, torch_var_err, 1e-6)
+
+
+def test_ddp_steps_match_one_process_on_the_global_batch(
+    gloo_results: list[dict[str, Any]],
+) -> None:
+    x, y = _ddp_data()
+    expected = _sgd_steps(_small_net(nn.BatchNorm2d), x, y, 1 / sum(SIZES))
+    for rank, result in enumerate(gloo_results):
+        assert list(result["ddp"]) == list(expected)
+        for key, value in expected.items():
+            torch.testing.assert_close(
+                result["ddp"][key], value, atol=1e-10, rtol=1e-10, msg=lambda m: f"rank {rank} {key}: {m}"
+            )
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])

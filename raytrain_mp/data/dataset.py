@@ -65,7 +65,9 @@ class ParquetImageDataset(Dataset):
         self._mean = np.asarray(self.meta.mean, dtype=np.float64)
         self._std = np.asarray(self.meta.std, dtype=np.float64)
         self._table: pa.Table | None = None
-        self._labels = self._open().column("label").to_numpy()
+        table = self._open()
+        self._labels = table.column("label").to_numpy()
+        self._ids = table.column("id").to_numpy()
 
     def _open(self) -> pa.Table:
         if self._table is not None:
@@ -106,6 +108,11 @@ class ParquetImageDataset(Dataset):
     @property
     def labels(self) -> np.ndarray:
         return self._labels
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Each sample's position in its source."""
+        return self._ids
 
     def set_epoch(self, epoch: int) -> None:
         """Select the augmentation draw; call with the sampler's epoch."""

@@ -1,0 +1,37 @@
+"""Pipelined model parallelism: a model cut into stages, one Ray actor each, run by a schedule.
+
+Pure pieces (no Ray): ``blocks`` (model -> named blocks), ``partition`` (blocks -> stages),
+``schedule`` (GPipe, 1F1B), ``microbatch`` (batch -> micro-batches), ``deferred_bn``. Ray pieces:
+``stage`` (one stage's actor body) and ``trainer`` (``PipelineTrainer``, the driver).
+"""
+
+from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
+from raytrain_mp.pipeline.deferred_bn import DeferredBatchNorm, commit_deferred_batchnorm, convert_deferred_batchnorm
+from raytrain_mp.pipeline.microbatch import MicroBatch, split_batch
+from raytrain_mp.pipeline.partition import StagePlan, balance_bounds, plan_stages, profile_blocks, split_bounds
+from raytrain_mp.pipeline.schedule import SCHEDULES, build_schedule, clock_ticks, gpipe, one_f_one_b
+from raytrain_mp.pipeline.trainer import PipelineTrainer, StageFailedError
+
+__all__ = [
+    "SCHEDULES",
+    "Block",
+    "DeferredBatchNorm",
+    "MicroBatch",
+    "PipelineTrainer",
+    "StageFailedError",
+    "StageModule",
+    "StagePlan",
+    "balance_bounds",
+    "block_parameter_counts",
+    "build_schedule",
+    "clock_ticks",
+    "commit_deferred_batchnorm",
+    "convert_deferred_batchnorm",
+    "flatten_model",
+    "gpipe",
+    "one_f_one_b",
+    "plan_stages",
+    "profile_blocks",
+    "split_batch",
+    "split_bounds",
+]

@@ -1,0 +1,38 @@
+"""Helpers shared by tests: run the CLI in-process and capture its exit code and output."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from raytrain_mp.cli import main
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def last_json(self) -> dict:
+        return json.loads(self.out.strip().splitlines()[-1])
+
+
+def run_cli(capsys, *argv: str) -> CliResult:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's own errors exit
+        code = exc.code
+    captured = capsys.readouterr()
+    return CliResult(code, captured.out, captured.err)
+
+
+def assert_usage_error(result: CliResult, *fragments: str) -> None:
+    """Exit code 2 and a single ``error:`` line on stderr holding every fragment."""
+    assert result.code == 2, result
+    lines = [line for line in result.err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert "error:" in lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
