@@ -88,14 +88,19 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, positional: tuple[
             continue
         base, _ = _base_type(_field_types(cls)[f.name])
         meta = f.metadata
-        help_text = argparse.SUPPRESS if meta.get("hidden") else f"{meta.get('help', '')} (default: {f.default})"
+        help_text = meta.get("help", "")
+        if "default" not in help_text:
+            help_text += f" (default: {f.default})"
+        if meta.get("hidden"):
+            help_text = argparse.SUPPRESS
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         if base is bool:
             parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kwargs)
             continue
         if meta.get("choices"):
             kwargs["choices"] = meta["choices"]
-        kwargs["metavar"] = f.name.upper()
+        else:
+            kwargs["metavar"] = f.name.upper()
         parser.add_argument(flag_name(f.name), type=str, **kwargs)
     parser.add_argument("--json", action="store_true", default=False, help="print one JSON object as the last line")
 

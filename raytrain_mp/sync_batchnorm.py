@@ -14,11 +14,11 @@ Invariants:
   ``nn.BatchNorm`` over the global batch, also when ranks hold different batch sizes (an empty rank
   included). Weight and bias gradients are this rank's share; their sum over ranks (what DDP's
   gradient all-reduce computes) is the global gradient.
-- Statistics are numerically stable: each rank takes a two-pass mean and centered sum of squares,
-  never E[x^2]-E[x]^2, which cancels catastrophically in float32 when |mean| >> std; ranks are
-  merged with Chan et al.'s parallel formula.
+- Statistics are numerically stable: each rank takes a (corrected) two-pass mean and centered sum
+  of squares in the input dtype, never E[x^2]-E[x]^2, which cancels catastrophically in float32
+  when |mean| >> std; ranks are merged in float64 with Chan et al.'s parallel formula.
 - Every rank runs the same collectives in the same order: one all_gather per forward, one
-  all_reduce per backward that needs an input gradient.
+  all_reduce per backward that needs an input gradient (none when the global batch is empty).
 - Otherwise (eval mode, no process group, world size 1) it runs ``nn.BatchNorm``'s own code.
 - Parameters, buffers and state-dict keys are ``nn.BatchNorm``'s, so state dicts load either way
   with ``strict=True``.
@@ -62,8 +62,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # keep the digits that the merge's (mean_r - mean)^2 term needs.
         if count > 0:
             # Corrected two-pass (Chan, Golub & LeVeque 1983): the second pass sums x - shift and
-            # its square; the first sum repairs the rounding of the float32 mean, which is a few
-            # ulps at |mean| >> std and would otherwise leak into the merge term.
+            # its square; the first sum repairs the rounding of the input-dtype mean, a few ulps
+            # at |mean| >> std, which would otherwise leak into the merge term.
             shift = input.mean(dim=reduce_dims)
             centered = input - _per_channel(shift, input.dim())
             sum_centered = centered.sum(dim=reduce_dims).double()

@@ -175,7 +175,8 @@ class StageWorker:
                 out = self.module(inp)
             leaf = None if self.config.is_first else inp
             if self.config.is_last:
-                loss = F.cross_entropy(out.float(), targets.to(self.device), reduction="sum") * loss_scale
+                # Under bf16 autocast the logits are bf16; the loss is taken in the model's dtype.
+                loss = F.cross_entropy(out.to(self.dtype), targets.to(self.device), reduction="sum") * loss_scale
                 self._saved[index] = (leaf, loss)
                 return loss.item()
             self._saved[index] = (leaf, out)

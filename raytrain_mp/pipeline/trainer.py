@@ -62,16 +62,15 @@ class StageFailedError(RuntimeError):
 
 
 def _summary(error: BaseException) -> str:
+    """One line: what Ray says about a dead actor, or the exception raised inside the stage."""
     if isinstance(error, RayActorError):
-        return f"its actor died ({_first_line(error)})"
+        # Ray's message: a headline, indented actor details, then the reason ("killed by ray.kill").
+        lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line[0].isspace()]
+        return "its actor died: " + " ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else "its actor died"
     if isinstance(error, RayTaskError):
-        error = error.cause  # the exception raised inside the stage, without Ray's traceback
-    return f"{type(error).__name__}: {_first_line(error)}"
-
-
-def _first_line(error: BaseException) -> str:
+        error = error.cause  # without Ray's traceback
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else repr(error)
+    return f"{type(error).__name__}: {lines[0] if lines else repr(error)}"
 
 
 def check_resources(

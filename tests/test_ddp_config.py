@@ -1,0 +1,86 @@
+"""`raytrain-mp ddp` bad inputs: one line naming the option, exit code 2, no worker started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import assert_usage_error, run_cli
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--global-batch-size", "63"], ["--global-batch-size: 63 is not divisible by --num-workers 2", "multiple of 2"]),
+        (["--global-batch-size", "64", "--num-workers", "2", "--grad-accum-steps", "3"], ["x --grad-accum-steps 3", "multiple of 6"]),
+        (["--model", "vgg16"], ["--model", "invalid choice: 'vgg16'", "resnet18"]),
+        (["--optimizer", "lamb"], ["--optimizer", "invalid choice: 'lamb'", "sgd", "adamw"]),
+        (["--base-lr", "0"], ["--base-lr: must be > 0, got 0.0"]),
+        (["--base-lr=-1e-3"], ["--base-lr: must be > 0, got -0.001"]),
+        (["--base-lr", "fast"], ["--base-lr: expected float, got 'fast'"]),
+        (["--epochs", "0"], ["--epochs: must be >= 1, got 0"]),
+        (["--num-workers", "0"], ["--num-workers: must be >= 1, got 0"]),
+        (["--precision", "fp16", "--no-use-gpu"], ["--precision: fp16 needs CUDA", "bf16 or fp32"]),
+        (["--precision", "fp8"], ["--precision", "invalid choice: 'fp8'"]),
+        (["--weights", "/no/such/model.pt"], ["--weights: no such file /no/such/model.pt"]),
+        (["--resume-from", "/no/such/ckpt"], ["--resume-from: /no/such/ckpt holds no model.pt"]),
+        (["--warmup-epochs", "-1"], ["--warmup-epochs: must be >= 0"]),
+    ],
+)
+def test_bad_options(tmp_path, capsys, argv, fragments):
+    runs = tmp_path / "runs"
+    res = run_cli(capsys, "ddp", "--storage-path", str(runs), *argv)
+    assert_usage_error(res, *fragments)
+    assert not runs.exists()
+
+
+def test_storage_path_not_writable(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    res = run_cli(capsys, "ddp", "--storage-path", str(blocker / "runs"))
+    assert_usage_error(res, "--storage-path", "is not writable")
+
+
+def test_missing_dataset(tmp_path, capsys):
+    res = run_cli(capsys, "ddp", "--data", str(tmp_path / "absent"), "--storage-path", str(tmp_path / "runs"))
+    assert_usage_error(res, "--data: no such data set folder", "absent")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_yaml_config_and_flags(tmp_path, capsys):
+    from raytrain_mp.config import DDPConfig, build_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("epochs: 3\nbase-lr: 0.2\nsync_bn: false\nmodel: resnet34\n")
+    cfg = build_config(DDPConfig, {"config": str(path), "epochs": "4"})
+    assert (cfg.epochs, cfg.base_lr, cfg.sync_bn, cfg.model) == (4, 0.2, False, "resnet34")  # flag wins
+    path.write_text("epochs: 3\nlearning_rate: 0.2\n")
+    res = run_cli(capsys, "ddp", "--config", str(path))
+    assert_usage_error(res, "--config: unknown option 'learning_rate'", "accepted:", "base_lr")
+    path.write_text("epochs: many\n")
+    res = run_cli(capsys, "ddp", "--config", str(path))
+    assert_usage_error(res, "--epochs: expected int, got 'many'", str(path))
+    res = run_cli(capsys, "ddp", "--config", str(tmp_path / "none.yaml"))
+    assert_usage_error(res, "--config: no such file")
+
+
+def test_help_lists_defaults():
+    proc = subprocess.run([sys.executable, "-m", "raytrain_mp.cli", "ddp", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "--global-batch-size GLOBAL_BATCH_SIZE samples per optimizer step over all workers (default: 64)" in text
+    assert "--optimizer {sgd,adamw} optimizer (default: sgd)" in text
+    assert "--no-sync-bn" in text and "inject" not in text
+
+
+def test_cluster_too_small(ray_session, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    res = run_cli(capsys, "ddp", "--num-workers", "5", "--global-batch-size", "60", "--storage-path", str(runs))
+    assert_usage_error(res, "--num-workers 5 needs 5 CPUs but the Ray cluster has 4", "at most 4")
+    res = run_cli(capsys, "ddp", "--num-workers", "1", "--use-gpu", "--storage-path", str(runs))
+    assert_usage_error(res, "--num-workers 1 needs 1 GPUs but the Ray cluster has 0", "--no-use-gpu")
+    res = run_cli(capsys, "ddp", "--precision", "fp16", "--storage-path", str(runs))
+    assert_usage_error(res, "--precision: fp16 needs CUDA")
+    assert not runs.exists()
