@@ -36,3 +36,20 @@ def assert_usage_error(result: CliResult, *fragments: str) -> None:
     assert "error:" in lines[0]
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
+
+
+def run_cli_json(*argv: str) -> dict:
+    """Run a command that must succeed with ``--json`` and return its JSON result.
+
+    Ray's log forwarding shares stdout, so the result is the last line that parses as a JSON object."""
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = main([*argv, "--json"])
+    assert code == 0, buffer.getvalue()[-3000:]
+    for line in reversed(buffer.getvalue().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no JSON line in output: {buffer.getvalue()[-2000:]}")

@@ -151,7 +151,8 @@ class PipelineTrainer:
         blocks = flatten_model(model)
         names = [block.name for block in blocks]
         check_stage_count(len(blocks), num_stages)
-        stage_ops = build_schedule(schedule, num_stages, num_microbatches)
+        self.num_stages = num_stages
+        self.set_schedule(schedule, num_microbatches)
         dtype = next(model.parameters()).dtype
         if dtype not in (torch.float32, torch.float64):
             raise UsageError(f"model: parameters are {dtype}; use float32 or float64 (bf16 through autocast_bf16)")
@@ -186,13 +187,9 @@ class PipelineTrainer:
         bundle = {"CPU": cpus_per_stage, **({"GPU": 1} if use_gpu else {})}
         check_resources(nodes, num_stages, bundle, placement_strategy)
 
-        self.num_stages = num_stages
-        self.num_microbatches = num_microbatches
-        self.schedule = schedule
         self.use_gpu = use_gpu
         self.clip_grad_norm = clip_grad_norm
         self.steps_done = 0  # train steps completed; the CLI sets it when resuming
-        self._ticks = clock_ticks(stage_ops)
         self._rdt = transport == "nccl"
         self._actors: list[Any] = []
         self._pg = placement_group([dict(bundle) for _ in range(num_stages)], strategy=placement_strategy)
@@ -245,6 +242,14 @@ class PipelineTrainer:
         # Profile where stage 0 will run, before its actor takes the bundle: the target device.
         task = ray.remote(profile_on_stage_device).options(**self._placement(0, cpus))
         return ray.get(task.remote(model, blocks, sample, self.use_gpu, cpus, autocast_bf16))
+
+    def set_schedule(self, schedule: str | None = None, num_microbatches: int | None = None) -> None:
+        """Change the schedule and/or the number of micro-batches for the next steps; the stages,
+        their parameters and optimizer state stay (a benchmark sweeps m without restarting)."""
+        schedule = self.schedule if schedule is None else schedule
+        num_microbatches = self.num_microbatches if num_microbatches is None else num_microbatches
+        self._ticks = clock_ticks(build_schedule(schedule, self.num_stages, num_microbatches))
+        self.schedule, self.num_microbatches = schedule, num_microbatches
 
     # -- running ops -----------------------------------------------------------------------------
 

@@ -1,0 +1,278 @@
+"""PipelineTrainer on real Ray stage actors (CPU): equivalence with single-process gradient
+accumulation, deferred BatchNorm, state dicts, failures, and bad input.
+
+Inputs are 16x16 so that layer4 still sees 2x2 maps: at 8x8 its BatchNorms normalize 2-3
+values per channel, and thread-count roundoff alone then moves float64 parameters by 1e-5.
+Trainers are created sparingly (start-up dominates on 2 cores): one per (dtype, stage count),
+reused across schedules and micro-batch counts through load_state_dict and set_schedule.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import ray
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raytrain_mp.errors import UsageError
+from raytrain_mp.models import build_model
+from raytrain_mp.pipeline import PipelineTrainer, StageFailedError, convert_deferred_batchnorm, split_batch
+from raytrain_mp.pipeline import trainer as trainer_module
+from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm
+from raytrain_mp.pipeline.trainer import check_resources
+
+BATCH = 12
+CASES = [(schedule, m) for schedule in ("gpipe", "1f1b") for m in (4, 5)]  # 5 does not divide 12
+LRS = [0.05, 0.03, 0.02]  # set per step, as a learning-rate schedule would
+
+
+def _model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model("resnet18", 10, in_channels=1, small_stem=True).to(dtype).train()
+
+
+def _batches(dtype: torch.dtype, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(BATCH, 1, 16, 16, generator=generator, dtype=dtype), torch.randint(0, 10, (BATCH,), generator=generator))
+        for _ in range(steps)
+    ]
+
+
+def _accumulate(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, m: int,
+    clip: float | None = None,
+) -> float:
+    """The single-process reference step: losses weighted by micro-batch share, one update."""
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for mb in split_batch(x, y, m):
+        loss = F.cross_entropy(model(mb.inputs), mb.targets) * mb.weight
+        loss.backward()
+        total += loss.item()
+    if clip is not None:
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), clip) > clip  # the clip acts
+    commit_deferred_batchnorm(model)
+    optimizer.step()
+    return total
+
+
+def _reference(dtype: torch.dtype, m: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _model(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LRS[0], momentum=0.9)
+    losses = []
+    for (x, y), lr in zip(_batches(dtype, steps), LRS):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        losses.append(_accumulate(model, optimizer, x, y, m))
+    return losses, model.state_dict()
+
+
+def _assert_state_close(got: dict, want: dict, rtol: float) -> None:
+    assert list(got) == list(want)
+    for key, value in want.items():
+        scale = value.double().abs().max().clamp(min=1.0)
+        error = (got[key].double() - value.double()).abs().max()
+        assert error <= rtol * scale, f"{key}: {error.item():.3g} off"
+
+
+@dataclass
+class Pipeline:
+    trainer: PipelineTrainer
+    dtype: torch.dtype
+    initial_state: dict
+    initial_optimizer_states: list
+
+
+@pytest.fixture(scope="module", params=[(torch.float64, 2), (torch.float64, 3), (torch.float32, 2), (torch.float32, 3)],
+                ids=["f64-2stages", "f64-3stages", "f32-2stages", "f32-3stages"])
+def pipeline(request: pytest.FixtureRequest, ray_session: object) -> Iterator[Pipeline]:
+    dtype, num_stages = request.param
+    # float32 runs use the seeds' split by name; float64 runs the default parameter balance.
+    split = {2: ["layer3"], 3: ["layer2", "layer4"]}[num_stages] if dtype == torch.float32 else None
+    trainer = PipelineTrainer(_model(dtype), num_stages, split_points=split, lr=LRS[0], momentum=0.9)
+    yield Pipeline(trainer, dtype, trainer.state_dict(), trainer.optimizer_state_dicts())
+    trainer.shutdown()
+
+
+@pytest.mark.parametrize(("schedule", "m"), CASES)
+def test_step_equals_gradient_accumulation(pipeline: Pipeline, schedule: str, m: int) -> None:
+    trainer = pipeline.trainer
+    float64 = pipeline.dtype == torch.float64
+    steps = 3 if float64 else 1  # float32 BatchNorm ResNets are chaotic beyond the first step
+    trainer.load_state_dict(pipeline.initial_state)
+    trainer.load_optimizer_state_dicts(pipeline.initial_optimizer_states)
+    trainer.set_schedule(schedule, m)
+    losses = []
+    for (x, y), lr in zip(_batches(pipeline.dtype, steps), LRS):
+        trainer.set_lr(lr)
+        losses.append(trainer.train_step(x, y))
+    want_losses, want_state = _reference(pipeline.dtype, m, steps)
+    rtol = 1e-10 if float64 else 1e-5
+    assert losses == pytest.approx(want_losses, rel=rtol)
+    _assert_state_close(trainer.state_dict(), want_state, rtol)
+
+
+def test_state_dict_loads_into_torchvision_and_predictions_match(pipeline: Pipeline) -> None:
+    x, _ = _batches(pipeline.dtype, 1)[0]
+    plain = _model(pipeline.dtype)
+    plain.load_state_dict(pipeline.trainer.state_dict(), strict=True)
+    torch.testing.assert_close(pipeline.trainer.predict(x), plain.eval()(x))
+    assert pipeline.trainer.predict(x[:1]).shape == (1, 10)  # fewer samples than micro-batches
+
+
+def test_plan_and_stats(pipeline: Pipeline) -> None:
+    trainer = pipeline.trainer
+    plans = trainer.plan
+    assert [p.index for p in plans] == list(range(trainer.num_stages))
+    assert sum(p.param_share for p in plans) == pytest.approx(1.0)
+    if pipeline.dtype == torch.float32:
+        assert plans[1].blocks[0] == {2: "layer3.0", 3: "layer2.0"}[trainer.num_stages]
+    x, y = _batches(pipeline.dtype, 1)[0]
+    trainer.stats()
+    trainer.train_step(x, y)
+    trainer.train_step(x, y)
+    stats = trainer.stats()
+    assert stats["steps"] == 2 and len(stats["busy_seconds"]) == trainer.num_stages
+    assert all(seconds > 0 for seconds in stats["busy_seconds"])
+    assert stats["bubble_fraction"] < 1
+    assert trainer.stats()["steps"] == 0
+
+
+def test_deferred_bn_time_balance_adamw_and_clipping(ray_session: object) -> None:
+    model = _model(torch.float64)
+    batches = _batches(torch.float64, 2)
+    options = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.01, "clip_grad_norm": 0.5}
+    with PipelineTrainer(model, 2, balance="time", sample_input=batches[0][0], deferred_bn=True,
+                         num_microbatches=3, **options) as pipeline:
+        assert all(plan.seconds > 0 for plan in pipeline.plan)
+        losses = [pipeline.train_step(x, y) for x, y in batches[:1]]
+        # The stem's BatchNorm saw conv1(x) in 3 micro-batches; its running statistics are those
+        # of one BatchNorm pass over the whole batch.
+        whole = copy.deepcopy(model.bn1)
+        whole(model.conv1(batches[0][0]))
+        after_one = pipeline.state_dict()
+        for key in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(after_one[f"bn1.{key}"], getattr(whole, key), rtol=1e-12, atol=1e-12)
+        losses += [pipeline.train_step(x, y) for x, y in batches[1:]]
+        state = pipeline.state_dict()
+
+    reference = convert_deferred_batchnorm(copy.deepcopy(model))
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=options["lr"], weight_decay=options["weight_decay"])
+    want = [_accumulate(reference, optimizer, x, y, 3, clip=options["clip_grad_norm"]) for x, y in batches]
+    assert losses == pytest.approx(want, rel=1e-10)
+    _assert_state_close(state, reference.state_dict(), 1e-10)
+
+
+def test_failing_and_killed_stages_are_named(ray_session: object) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    with PipelineTrainer(model, 2, num_microbatches=2) as pipeline:
+        pipeline.train_step(x, y)
+        with pytest.raises(UsageError, match="num_microbatches: 2 micro-batches need a batch of at least 2 samples, got 1"):
+            pipeline.train_step(x[:1], y[:1])
+        with pytest.raises(StageFailedError) as info:
+            pipeline.train_step(x, torch.full((6,), 7))  # class 7 of 3: cross-entropy raises on the last stage
+        assert (info.value.stage, info.value.step) == (1, 2)
+        assert str(info.value).startswith("pipeline stage 1 (of stages 0-1) failed at step 2: ")
+        assert "out of bounds" in str(info.value)
+
+        ray.kill(pipeline._actors[0])
+        with pytest.raises(StageFailedError) as info:
+            pipeline.train_step(x, y)
+        assert (info.value.stage, info.value.step) == (0, 2)
+        assert str(info.value) == (
+            "pipeline stage 0 (of stages 0-1) failed at step 2: its actor died: The actor died unexpectedly "
+            "before finishing this task. The actor is dead because it was killed by `ray.kill`."
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_stages": 11}, "num_stages: 11 stages need at least 11 blocks; the model has 10"),
+        ({"split_points": ["layer9"]}, "split_points: 'layer9' names no block; blocks: stem, layer1.0, layer1.1, "
+         "layer2.0, layer2.1, layer3.0, layer3.1, layer4.0, layer4.1, head"),
+        ({"num_stages": 3, "split_points": ["layer4", "layer2"]},
+         "split_points: 'layer2' does not come after 'layer4.0'; give split points in model order"),
+        ({"num_microbatches": 0}, "num_microbatches: need at least 1 micro-batch, got 0"),
+        ({"num_stages": 3, "schedule": "1f1b", "num_microbatches": 2},
+         "num_microbatches: 1F1B over 3 stages needs at least 3 micro-batches, got 2; use more micro-batches or the gpipe schedule"),
+        ({"optimizer": "lamb"}, "optimizer: unknown optimizer 'lamb'; accepted: sgd, adamw"),
+        ({"lr": 0}, "lr: must be > 0, got 0"),
+        ({"clip_grad_norm": -1.0}, "clip_grad_norm: must be > 0, got -1.0"),
+        ({"split_points": ["layer3"], "balance": "params"}, "split_points, balance: give one of them, not both"),
+        ({"balance": "flops"}, "balance: unknown mode 'flops'; accepted: time, params"),
+        ({"balance": "time"}, "balance: 'time' needs sample_input, a batch like the training batches, to profile on"),
+        ({"balance": "time", "sample_input": torch.zeros(3, 1, 8, 8)},
+         "num_microbatches: 4 micro-batches need a batch of at least 4 samples, got 3"),
+        ({"transport": "tcp"}, "transport: unknown transport 'tcp'; accepted: object_store, nccl"),
+        ({"cpus_per_stage": 0}, "cpus_per_stage: must be a whole number >= 1, got 0"),
+        ({"use_gpu": True}, "num_stages: 2 stages need 2 GPU (1 each); the Ray cluster has 0"),
+        ({"transport": "nccl", "use_gpu": False}, "transport: 'nccl' moves tensors between GPUs; it needs use_gpu"),
+        ({"cpus_per_stage": 3}, "cpus_per_stage: 2 stages need 6 CPU (3 each); the Ray cluster has 4"),
+        ({"placement_strategy": "RANDOM"},
+         "placement_strategy: unknown strategy 'RANDOM'; accepted: STRICT_PACK, PACK, SPREAD, STRICT_SPREAD"),
+    ],
+)
+def test_bad_input_fails_before_any_actor(
+    ray_session: object, monkeypatch: pytest.MonkeyPatch, kwargs: dict, message: str
+) -> None:
+    if kwargs.get("use_gpu") and torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+
+    def no_placement(*args: object, **kw: object) -> None:
+        raise AssertionError("a placement group was requested before validation finished")
+
+    monkeypatch.setattr(trainer_module, "placement_group", no_placement)
+    kwargs = {"num_stages": 2, **kwargs}
+    with pytest.raises(UsageError) as info:
+        PipelineTrainer(build_model("resnet18", 10, in_channels=1, small_stem=True), **kwargs)
+    assert str(info.value) == message
+
+
+def test_model_dtype_must_be_float32_or_float64() -> None:
+    with pytest.raises(UsageError) as info:
+        PipelineTrainer(build_model("resnet18", 10).half(), 2)
+    assert str(info.value) == "model: parameters are torch.float16; use float32 or float64 (bf16 through autocast_bf16)"
+
+
+def test_placement_checks() -> None:
+    nodes = [{"CPU": 4, "GPU": 2}, {"CPU": 4, "GPU": 2}]
+    check_resources(nodes, 4, {"CPU": 1, "GPU": 1}, "PACK")
+    check_resources(nodes, 2, {"CPU": 2, "GPU": 1}, "STRICT_SPREAD")
+    with pytest.raises(UsageError) as info:
+        check_resources(nodes, 4, {"CPU": 1, "GPU": 1}, "STRICT_PACK")
+    assert str(info.value) == (
+        "placement_strategy: STRICT_PACK needs one node that holds all 4 stages ({'CPU': 1, 'GPU': 1} each) "
+        "and no node does; use PACK or SPREAD"
+    )
+    with pytest.raises(UsageError) as info:
+        check_resources(nodes, 3, {"CPU": 1}, "STRICT_SPREAD")
+    assert str(info.value) == (
+        "placement_strategy: STRICT_SPREAD needs 3 nodes that each hold one stage ({'CPU': 1}); use SPREAD or PACK"
+    )
+    with pytest.raises(UsageError) as info:
+        check_resources(nodes, 5, {"CPU": 1, "GPU": 1}, "SPREAD")
+    assert str(info.value) == "num_stages: 5 stages need 5 GPU (1 each); the Ray cluster has 4"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_stages_equal_gradient_accumulation(ray_session: object) -> None:
+    num_stages = min(2, int(ray.cluster_resources().get("GPU", 0)))
+    if num_stages < 1:
+        pytest.skip("the Ray session sees no GPU")
+    with PipelineTrainer(_model(torch.float64), num_stages, lr=LRS[0], use_gpu=True) as pipeline:
+        assert len(pipeline.devices) == num_stages
+        x, y = _batches(torch.float64, 1)[0]
+        loss = pipeline.train_step(x, y)
+        state = pipeline.state_dict()
+    want_losses, want_state = _reference(torch.float64, 4, 1)
+    assert loss == pytest.approx(want_losses[0], rel=1e-8)
+    _assert_state_close(state, want_state, 1e-8)
