@@ -12,8 +12,9 @@ import json
 import sys
 from collections.abc import Sequence
 
-from raytrain_mp.config import DDPConfig, PrepareConfig, add_arguments, build_config
+from raytrain_mp.config import DDPConfig, PipelineConfig, PrepareConfig, add_arguments, build_config
 from raytrain_mp.errors import EXIT_USAGE, UsageError
+from raytrain_mp.lr_sweep import TuneConfig
 
 PROG = "raytrain-mp"
 
@@ -67,6 +68,29 @@ def cmd_ddp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    from raytrain_mp.cluster import ray_connection
+    from raytrain_mp.pipeline_run import run_pipeline, with_checked_inputs
+
+    cfg = with_checked_inputs(build_config(PipelineConfig, args))
+    with ray_connection(cfg.address):
+        result = run_pipeline(cfg)
+    emit(result, args.json, "pipeline training finished")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from raytrain_mp.cluster import ray_connection
+    from raytrain_mp.lr_sweep import tune_config_from_args
+    from raytrain_mp.sweep_run import prepared, run_sweep
+
+    cfg = prepared(tune_config_from_args(args))
+    with ray_connection(cfg.address):
+        result = run_sweep(cfg)
+    emit(result, args.json, "learning-rate sweep finished")
+    return 0 if result["best"] else 1  # every trial failed: the table says why
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog=PROG,
@@ -85,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     ddp = sub.add_parser("ddp", help="DistributedDataParallel training on Ray Train")
     add_arguments(ddp, DDPConfig)
     ddp.set_defaults(handler=cmd_ddp)
+
+    pipe = sub.add_parser("pipeline", help="pipelined model-parallel training on Ray stage actors")
+    add_arguments(pipe, PipelineConfig)
+    pipe.set_defaults(handler=cmd_pipeline)
+
+    sweep = sub.add_parser("tune", help="learning-rate sweep on Ray Tune, one DDP run per trial")
+    add_arguments(sweep, TuneConfig)
+    sweep.set_defaults(handler=cmd_tune)
     return parser
 
 

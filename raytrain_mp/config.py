@@ -56,6 +56,8 @@ def _field_types(cls: type) -> dict[str, Any]:
 def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
     base, optional = _base_type(_field_types(cls)[name])
     flag = flag_name(name)
+    if optional and isinstance(value, str) and value.lower() in ("none", "null"):
+        value = None
     if value is None:
         if optional:
             return None
@@ -64,12 +66,20 @@ def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
         if isinstance(value, bool):
             return value
         raise UsageError(f"{flag}: expected true or false, got {value!r} ({source})")
+    if typing.get_origin(base) is tuple:  # tuple[T, ...]: a comma list as a flag, a list (or one value) in YAML
+        items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        items = items if isinstance(items, list) else [items]
+        return tuple(_convert(typing.get_args(base)[0], item, flag, source) for item in items)
     if base is list:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise UsageError(f"{flag}: expected a list, got {value!r} ({source})")
         return value
+    return _convert(base, value, flag, source)
+
+
+def _convert(base: type, value: Any, flag: str, source: str) -> Any:
     try:
         if base is int and (isinstance(value, float) and not value.is_integer()):
             raise ValueError
@@ -134,23 +144,10 @@ def build_config(cls: type[C], args: argparse.Namespace | dict[str, Any]) -> C:
             values[name] = _coerce(cls, name, value, f"in {config_path}")
     for name, value in given.items():
         if name in names:
-            values[name] = value if isinstance(value, bool) or value is None else _coerce(cls, name, _flag_value(value), "flag")
+            values[name] = value if isinstance(value, bool) else _coerce(cls, name, value, "flag")
     config = cls(**values)
     config.validate()
     return config
-
-
-def _flag_value(value: Any) -> Any:
-    """Flags arrive as strings; YAML-parse them so ``none``/``null`` and numbers read naturally."""
-    if isinstance(value, str):
-        if value.lower() in ("none", "null"):
-            return None
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
-            return value
-        return parsed if isinstance(parsed, (int, float, list)) and not isinstance(parsed, bool) else value
-    return value
 
 
 def check_choice(cls_or_config: Any, name: str) -> None:
@@ -210,20 +207,18 @@ class PrepareConfig:
 
 
 @dataclasses.dataclass
-class DDPConfig:
+class TrainOptions:
+    """Options every training command shares: data, model, optimization, checkpoints, resume."""
+
     data: str | None = option(None, "prepared data set folder or URI; default: built-in digits")
     model: str = option("resnet18", "model architecture", MODEL_NAMES)
     small_stem: bool | None = option(None, "3x3 stride-1 stem without max-pool (default: on below 64 px)")
     weights: str | None = option(None, "state dict to start from (a model.pt)")
-    num_workers: int = option(2, "Ray Train workers (DDP ranks)")
-    use_gpu: bool | None = option(None, "one GPU per worker (default: when the cluster has GPUs)")
-    cpus_per_worker: int = option(1, "CPUs per worker; also its torch thread count")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
     epochs: int = option(6, "training epochs")
-    global_batch_size: int = option(64, "samples per optimizer step over all workers")
-    base_lr: float = option(0.4, "learning rate at --base-batch samples; scaled to the global batch")
+    base_lr: float = option(0.4, "learning rate at --base-batch samples; scaled to the batch")
     base_batch: int = option(256, "batch size at which --base-lr applies")
-    lr_rule: str = option("linear", "how lr scales with the global batch", LR_RULES)
+    lr_rule: str = option("linear", "how lr scales with the batch", LR_RULES)
     warmup_epochs: float = option(1.0, "gradual linear warmup from base lr to scaled lr over these epochs")
     lr_decay: str = option("cosine", "decay after warmup", LR_DECAYS)
     step_epochs: int = option(30, "step decay: multiply lr by --gamma every this many epochs")
@@ -232,35 +227,22 @@ class DDPConfig:
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(5e-4, "weight decay (never on BatchNorm and bias)")
     precision: str = option("fp32", "fp32 | bf16 (autocast) | fp16 (CUDA, GradScaler) | fp64 (verification)", PRECISIONS)
-    grad_accum_steps: int = option(1, "micro-steps accumulated per optimizer step (DDP no_sync)")
-    sync_bn: bool = option(True, "synchronize BatchNorm statistics across workers")
     augment: bool = option(False, "random crop and horizontal flip, seeded per sample and epoch")
-    seed: int = option(0, "seed of the model init, sampler order and augmentation")
+    seed: int = option(0, "seed of the model init, sample order and augmentation")
     storage_path: str = option("~/ray_results", "where runs and checkpoints go (local folder, NFS, s3://...)")
-    name: str | None = option(None, "run name; rerun with the same name to resume (default: ddp-<time>)")
+    name: str | None = option(None, "run name; rerun with the same name to resume (default: COMMAND-<time>)")
     checkpoint_every: int = option(1, "write a checkpoint every this many epochs (and after the last)")
     num_to_keep: int = option(2, "checkpoints kept")
-    max_failures: int = option(0, "worker-group restarts from the last checkpoint")
+    max_failures: int = option(0, "restarts from the last checkpoint after a worker or stage failure")
     resume_from: str | None = option(None, "checkpoint folder (holding model.pt) to resume from")
     log_every: int = option(50, "progress line every this many steps within an epoch (0: off)")
-    inject_fault: str | None = option(None, "testing: RANK:EPOCH:MARKER crashes RANK once after EPOCH", hidden=True)
+    inject_fault: str | None = option(None, "testing: INDEX:EPOCH:MARKER fails worker/stage INDEX once after EPOCH", hidden=True)
     json: bool = False
 
     def validate(self) -> None:
         for name in ("model", "lr_rule", "lr_decay", "optimizer", "precision"):
             check_choice(self, name)
-        check(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
-        check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
         check(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
-        check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")
-        step_batch = self.num_workers * self.grad_accum_steps
-        check(
-            self.global_batch_size % step_batch == 0,
-            "global_batch_size",
-            f"{self.global_batch_size} is not divisible by --num-workers {self.num_workers}"
-            + (f" x --grad-accum-steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else "")
-            + f"; accepted: a multiple of {step_batch}",
-        )
         check(self.base_lr > 0, "base_lr", f"must be > 0, got {self.base_lr}")
         check(self.base_batch >= 1, "base_batch", f"must be >= 1, got {self.base_batch}")
         check(self.warmup_epochs >= 0, "warmup_epochs", f"must be >= 0, got {self.warmup_epochs}")
@@ -268,16 +250,10 @@ class DDPConfig:
         check(0 < self.gamma <= 1, "gamma", f"must be in (0, 1], got {self.gamma}")
         check(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        check(self.grad_accum_steps >= 1, "grad_accum_steps", f"must be >= 1, got {self.grad_accum_steps}")
         check(self.checkpoint_every >= 1, "checkpoint_every", f"must be >= 1, got {self.checkpoint_every}")
         check(self.num_to_keep >= 1, "num_to_keep", f"must be >= 1, got {self.num_to_keep}")
         check(self.max_failures >= -1, "max_failures", f"must be >= 0 (or -1: unlimited), got {self.max_failures}")
         check(self.log_every >= 0, "log_every", f"must be >= 0, got {self.log_every}")
-        check(
-            not (self.precision == "fp16" and self.use_gpu is False),
-            "precision",
-            "fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32",
-        )
         check_writable("storage_path", self.storage_path)
         if self.weights is not None:
             check(Path(self.weights).is_file(), "weights", f"no such file {self.weights}")
@@ -289,4 +265,83 @@ class DDPConfig:
             )
         if self.inject_fault is not None:
             parts = self.inject_fault.split(":", 2)
-            check(len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit(), "inject_fault", "accepted: RANK:EPOCH:MARKER")
+            check(len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit(), "inject_fault", "accepted: INDEX:EPOCH:MARKER")
+
+
+@dataclasses.dataclass
+class DDPConfig(TrainOptions):
+    num_workers: int = option(2, "Ray Train workers (DDP ranks)")
+    use_gpu: bool | None = option(None, "one GPU per worker (default: when the cluster has GPUs)")
+    cpus_per_worker: int = option(1, "CPUs per worker; also its torch thread count")
+    global_batch_size: int = option(64, "samples per optimizer step over all workers")
+    grad_accum_steps: int = option(1, "micro-steps accumulated per optimizer step (DDP no_sync)")
+    sync_bn: bool = option(True, "synchronize BatchNorm statistics across workers")
+
+    def validate(self) -> None:
+        super().validate()
+        check(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
+        check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
+        check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")
+        check(self.grad_accum_steps >= 1, "grad_accum_steps", f"must be >= 1, got {self.grad_accum_steps}")
+        step_batch = self.num_workers * self.grad_accum_steps
+        check(
+            self.global_batch_size % step_batch == 0,
+            "global_batch_size",
+            f"{self.global_batch_size} is not divisible by --num-workers {self.num_workers}"
+            + (f" x --grad-accum-steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else "")
+            + f"; accepted: a multiple of {step_batch}",
+        )
+        check(
+            not (self.precision == "fp16" and self.use_gpu is False),
+            "precision",
+            "fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32",
+        )
+
+
+SCHEDULES = ("gpipe", "1f1b")
+BALANCES = ("time", "params", "none")
+PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
+
+
+@dataclasses.dataclass
+class PipelineConfig(TrainOptions):
+    model: str = option("resnet50", "model architecture", MODEL_NAMES)
+    epochs: int = option(3, "training epochs")
+    base_lr: float = option(0.2, "learning rate at --base-batch samples; scaled to the batch")
+    precision: str = option("fp32", "fp32 | bf16 (autocast) | fp64 (verification)", ("fp32", "bf16", "fp64"))
+    stages: int = option(2, "pipeline stages, one Ray actor each")
+    split_points: list | None = option(None, "cut before these modules, e.g. layer3 (the seeds' split); overrides --balance")
+    balance: str = option("time", "cut stages by measured time, parameter count, or none (= params)", BALANCES)
+    schedule: str = option("gpipe", "pipeline schedule", SCHEDULES)
+    microbatches: int = option(4, "micro-batches per batch (m)")
+    batch_size: int = option(64, "samples per optimizer step")
+    use_gpu: bool | None = option(None, "one GPU per stage (default: when the cluster has GPUs)")
+    cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
+    placement: str = option("STRICT_PACK", "placement group strategy of the stages", PLACEMENTS)
+    deferred_bn: bool = option(False, "BatchNorm running statistics committed once per batch (torchgpipe)")
+    clip_grad_norm: float | None = option(None, "clip the global gradient norm across all stages")
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("balance", "schedule", "placement"):
+            check_choice(self, name)
+        check(self.stages >= 1, "stages", f"must be >= 1, got {self.stages}")
+        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        check(
+            1 <= self.microbatches <= self.batch_size,
+            "microbatches",
+            f"must be between 1 and --batch-size {self.batch_size}, got {self.microbatches}",
+        )
+        check(
+            self.schedule != "1f1b" or self.microbatches >= self.stages,
+            "microbatches",
+            f"1F1B needs at least one micro-batch per stage: --microbatches >= --stages {self.stages}, got {self.microbatches}",
+        )
+        check(self.cpus_per_stage >= 1, "cpus_per_stage", f"must be >= 1, got {self.cpus_per_stage}")
+        check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", f"must be > 0, got {self.clip_grad_norm}")
+        if self.split_points is not None:
+            check(
+                len(self.split_points) == self.stages - 1,
+                "split_points",
+                f"{len(self.split_points)} split point(s) make {len(self.split_points) + 1} stages, not --stages {self.stages}",
+            )

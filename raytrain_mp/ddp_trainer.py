@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_mp.checkpointing import MODEL_FILE
 from raytrain_mp.config import DDPConfig
 from raytrain_mp.cluster import check_fits, resolve_use_gpu
-from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
+from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
 from raytrain_mp.train_loop import train_loop_per_worker
 
@@ -26,12 +27,7 @@ def with_checked_data(cfg: DDPConfig) -> DDPConfig:
     """``cfg`` with its data set resolved (the built-in default prepared) and every shard checked.
 
     Needs no Ray, so a bad data set is reported before any cluster resource is requested."""
-    data = resolve_dataset(cfg.data)
-    meta = read_meta(data)
-    ParquetImageDataset(data, "train", meta=meta)  # opens and checks every shard now, not on a worker
-    ParquetImageDataset(data, "val", meta=meta)
-    if cfg.global_batch_size > meta.counts["train"]:
-        raise UsageError(f"--global-batch-size {cfg.global_batch_size} exceeds the {meta.counts['train']} training samples")
+    data, _ = checked_dataset(cfg.data, cfg.global_batch_size, "--global-batch-size")
     return dataclasses.replace(cfg, data=data)
 
 
@@ -46,8 +42,8 @@ def with_cluster_settings(cfg: DDPConfig) -> DDPConfig:
     return dataclasses.replace(cfg, use_gpu=use_gpu, name=name, storage_path=storage)
 
 
-def build_trainer(cfg: DDPConfig) -> TorchTrainer:
-    """A TorchTrainer for an already prepared config."""
+def build_trainer(cfg: DDPConfig, callbacks: Sequence[UserCallback] = ()) -> TorchTrainer:
+    """A TorchTrainer for an already prepared config; ``callbacks`` (e.g. Tune's report) join its RunConfig."""
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
     return TorchTrainer(
         train_loop_per_worker,
@@ -59,6 +55,7 @@ def build_trainer(cfg: DDPConfig) -> TorchTrainer:
             storage_path=cfg.storage_path,
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_to_keep),
+            callbacks=list(callbacks),
         ),
     )
 

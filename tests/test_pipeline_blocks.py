@@ -53,11 +53,14 @@ def test_stages_keep_original_keys_and_merge_strictly() -> None:
     torch.testing.assert_close(h, fresh.eval()(x))
 
 
-def test_sequential_flattens_into_children() -> None:
-    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+def test_sequential_flattens_into_children_with_parameters() -> None:
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3, 4), nn.ReLU(), nn.Dropout(), nn.Linear(4, 2), nn.ReLU())
     blocks = flatten_model(model)
-    assert [block.name for block in blocks] == ["0", "1", "2"]
-    assert list(StageModule(model, blocks[2:]).state_dict()) == ["2.weight", "2.bias"]
+    # parameter-free children ride with a neighbour, so that no stage lacks an optimizer
+    assert [block.name for block in blocks] == ["0+1+2+3", "4+5"]
+    assert list(StageModule(model, blocks[1:]).state_dict()) == ["4.weight", "4.bias"]
+    x = torch.randn(5, 3, 1)
+    torch.testing.assert_close(StageModule(model, blocks).eval()(x), model.eval()(x))
 
 
 def test_unsupported_model() -> None:

@@ -9,7 +9,9 @@ from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline.microbatch import split_batch
 
 
-@pytest.mark.parametrize(("batch", "m", "sizes"), [(10, 4, [3, 3, 2, 2]), (12, 4, [3, 3, 3, 3]), (5, 5, [1] * 5), (7, 1, [7])])
+@pytest.mark.parametrize(
+    ("batch", "m", "sizes"), [(10, 4, [3, 3, 2, 2]), (12, 4, [3, 3, 3, 3]), (5, 5, [1] * 5), (7, 1, [7])]
+)
 def test_sizes_weights_and_order(batch: int, m: int, sizes: list[int]) -> None:
     x = torch.arange(batch * 2.0).view(batch, 2)
     y = torch.arange(batch)

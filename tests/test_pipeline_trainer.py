@@ -1,7 +1,7 @@
 """PipelineTrainer on real Ray stage actors (CPU): equivalence with single-process gradient
 accumulation, deferred BatchNorm, state dicts, failures, and bad input.
 
-Inputs are 16x16 so that layer4 still sees 2x2 maps: at 8x8 its BatchNorms normalize 2-3
+Inputs are 12x12 so that layer4 still sees 2x2 maps: at 8x8 its BatchNorms normalize 2-3
 values per channel, and thread-count roundoff alone then moves float64 parameters by 1e-5.
 Trainers are created sparingly (start-up dominates on 2 cores): one per (dtype, stage count),
 reused across schedules and micro-batch counts through load_state_dict and set_schedule.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
 
 import pytest
 import ray
@@ -39,7 +40,10 @@ def _model(dtype: torch.dtype) -> nn.Module:
 def _batches(dtype: torch.dtype, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(BATCH, 1, 16, 16, generator=generator, dtype=dtype), torch.randint(0, 10, (BATCH,), generator=generator))
+        (
+            torch.randn(BATCH, 1, 12, 12, generator=generator, dtype=dtype),
+            torch.randint(0, 10, (BATCH,), generator=generator),
+        )
         for _ in range(steps)
     ]
 
@@ -62,6 +66,7 @@ def _accumulate(
     return total
 
 
+@cache  # the same for every stage count and schedule
 def _reference(dtype: torch.dtype, m: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _model(dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=LRS[0], momentum=0.9)
@@ -89,59 +94,69 @@ class Pipeline:
     initial_optimizer_states: list
 
 
-@pytest.fixture(scope="module", params=[(torch.float64, 2), (torch.float64, 3), (torch.float32, 2), (torch.float32, 3)],
-                ids=["f64-2stages", "f64-3stages", "f32-2stages", "f32-3stages"])
-def pipeline(request: pytest.FixtureRequest, ray_session: object) -> Iterator[Pipeline]:
-    dtype, num_stages = request.param
-    # float32 runs use the seeds' split by name; float64 runs the default parameter balance.
-    split = {2: ["layer3"], 3: ["layer2", "layer4"]}[num_stages] if dtype == torch.float32 else None
-    trainer = PipelineTrainer(_model(dtype), num_stages, split_points=split, lr=LRS[0], momentum=0.9)
-    yield Pipeline(trainer, dtype, trainer.state_dict(), trainer.optimizer_state_dicts())
-    trainer.shutdown()
+class TestAgainstGradientAccumulation:
+    """One trainer per (dtype, stage count), class-scoped so that its CPUs are free afterwards."""
 
+    @pytest.fixture(
+        scope="class",
+        params=[
+            (torch.float64, 2, "object_store"),
+            (torch.float64, 3, "object_store"),
+            (torch.float32, 2, "object_store"),
+            (torch.float32, 3, "gloo"),
+        ],
+        ids=["f64-2stages", "f64-3stages", "f32-2stages", "f32-3stages-gloo"],
+    )
+    def pipeline(self, request: pytest.FixtureRequest, ray_session: object) -> Iterator[Pipeline]:
+        dtype, num_stages, transport = request.param
+        # float32 runs use split points by name (the seeds' split for 2 stages); float64 runs the
+        # default parameter balance. "gloo" runs Ray's direct transport path on CPUs.
+        split = {2: ["layer3"], 3: ["layer2", "layer4"]}[num_stages] if dtype == torch.float32 else None
+        trainer = PipelineTrainer(
+            _model(dtype), num_stages, split_points=split, lr=LRS[0], momentum=0.9, transport=transport
+        )
+        yield Pipeline(trainer, dtype, trainer.state_dict(), trainer.optimizer_state_dicts())
+        trainer.shutdown()
 
-@pytest.mark.parametrize(("schedule", "m"), CASES)
-def test_step_equals_gradient_accumulation(pipeline: Pipeline, schedule: str, m: int) -> None:
-    trainer = pipeline.trainer
-    float64 = pipeline.dtype == torch.float64
-    steps = 3 if float64 else 1  # float32 BatchNorm ResNets are chaotic beyond the first step
-    trainer.load_state_dict(pipeline.initial_state)
-    trainer.load_optimizer_state_dicts(pipeline.initial_optimizer_states)
-    trainer.set_schedule(schedule, m)
-    losses = []
-    for (x, y), lr in zip(_batches(pipeline.dtype, steps), LRS):
-        trainer.set_lr(lr)
-        losses.append(trainer.train_step(x, y))
-    want_losses, want_state = _reference(pipeline.dtype, m, steps)
-    rtol = 1e-10 if float64 else 1e-5
-    assert losses == pytest.approx(want_losses, rel=rtol)
-    _assert_state_close(trainer.state_dict(), want_state, rtol)
+    @pytest.mark.parametrize(("schedule", "m"), CASES)
+    def test_step_equals_gradient_accumulation(self, pipeline: Pipeline, schedule: str, m: int) -> None:
+        trainer = pipeline.trainer
+        float64 = pipeline.dtype == torch.float64
+        steps = 3 if float64 else 1  # float32 BatchNorm ResNets are chaotic beyond the first step
+        trainer.load_state_dict(pipeline.initial_state)
+        trainer.load_optimizer_state_dicts(pipeline.initial_optimizer_states)
+        trainer.set_schedule(schedule, m)
+        losses = []
+        for (x, y), lr in zip(_batches(pipeline.dtype, steps), LRS):
+            trainer.set_lr(lr)
+            losses.append(trainer.train_step(x, y))
+        want_losses, want_state = _reference(pipeline.dtype, m, steps)
+        rtol = 1e-10 if float64 else 1e-5
+        assert losses == pytest.approx(want_losses, rel=rtol)
+        _assert_state_close(trainer.state_dict(), want_state, rtol)
 
+    def test_state_dict_loads_into_torchvision_and_predictions_match(self, pipeline: Pipeline) -> None:
+        x, _ = _batches(pipeline.dtype, 1)[0]
+        plain = _model(pipeline.dtype)
+        plain.load_state_dict(pipeline.trainer.state_dict(), strict=True)
+        torch.testing.assert_close(pipeline.trainer.predict(x), plain.eval()(x))
+        assert pipeline.trainer.predict(x[:1]).shape == (1, 10)  # fewer samples than micro-batches
 
-def test_state_dict_loads_into_torchvision_and_predictions_match(pipeline: Pipeline) -> None:
-    x, _ = _batches(pipeline.dtype, 1)[0]
-    plain = _model(pipeline.dtype)
-    plain.load_state_dict(pipeline.trainer.state_dict(), strict=True)
-    torch.testing.assert_close(pipeline.trainer.predict(x), plain.eval()(x))
-    assert pipeline.trainer.predict(x[:1]).shape == (1, 10)  # fewer samples than micro-batches
-
-
-def test_plan_and_stats(pipeline: Pipeline) -> None:
-    trainer = pipeline.trainer
-    plans = trainer.plan
-    assert [p.index for p in plans] == list(range(trainer.num_stages))
-    assert sum(p.param_share for p in plans) == pytest.approx(1.0)
-    if pipeline.dtype == torch.float32:
-        assert plans[1].blocks[0] == {2: "layer3.0", 3: "layer2.0"}[trainer.num_stages]
-    x, y = _batches(pipeline.dtype, 1)[0]
-    trainer.stats()
-    trainer.train_step(x, y)
-    trainer.train_step(x, y)
-    stats = trainer.stats()
-    assert stats["steps"] == 2 and len(stats["busy_seconds"]) == trainer.num_stages
-    assert all(seconds > 0 for seconds in stats["busy_seconds"])
-    assert stats["bubble_fraction"] < 1
-    assert trainer.stats()["steps"] == 0
+    def test_plan_and_stats(self, pipeline: Pipeline) -> None:
+        trainer = pipeline.trainer
+        plans = trainer.plan
+        assert [p.index for p in plans] == list(range(trainer.num_stages))
+        assert sum(p.param_share for p in plans) == pytest.approx(1.0)
+        if pipeline.dtype == torch.float32:
+            assert plans[1].blocks[0] == {2: "layer3.0", 3: "layer2.0"}[trainer.num_stages]
+        x, y = _batches(pipeline.dtype, 1)[0]
+        trainer.stats()
+        trainer.train_step(x, y)
+        stats = trainer.stats()
+        assert stats["steps"] == 1 and len(stats["busy_seconds"]) == trainer.num_stages
+        assert all(seconds > 0 for seconds in stats["busy_seconds"])
+        assert stats["bubble_fraction"] < 1
+        assert trainer.stats()["steps"] == 0
 
 
 def test_deferred_bn_time_balance_adamw_and_clipping(ray_session: object) -> None:
@@ -169,13 +184,15 @@ def test_deferred_bn_time_balance_adamw_and_clipping(ray_session: object) -> Non
     _assert_state_close(state, reference.state_dict(), 1e-10)
 
 
-def test_failing_and_killed_stages_are_named(ray_session: object) -> None:
+def test_bf16_step_then_failing_and_killed_stages_are_named(ray_session: object) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
-    with PipelineTrainer(model, 2, num_microbatches=2) as pipeline:
-        pipeline.train_step(x, y)
-        with pytest.raises(UsageError, match="num_microbatches: 2 micro-batches need a batch of at least 2 samples, got 1"):
+    # One trainer for both (start-up dominates): a plain nn.Sequential under bf16 autocast ...
+    with PipelineTrainer(model, 2, num_microbatches=2, autocast_bf16=True) as pipeline:
+        assert pipeline.train_step(x, y) == pytest.approx(F.cross_entropy(model(x), y).item(), rel=3e-2)
+        # ... then the failures.
+        with pytest.raises(UsageError, match="need a batch of at least 2 samples, got 1"):
             pipeline.train_step(x[:1], y[:1])
         with pytest.raises(StageFailedError) as info:
             pipeline.train_step(x, torch.full((6,), 7))  # class 7 of 3: cross-entropy raises on the last stage
@@ -183,7 +200,7 @@ def test_failing_and_killed_stages_are_named(ray_session: object) -> None:
         assert str(info.value).startswith("pipeline stage 1 (of stages 0-1) failed at step 2: ")
         assert "out of bounds" in str(info.value)
 
-        ray.kill(pipeline._actors[0])
+        ray.kill(pipeline.actor(0))
         with pytest.raises(StageFailedError) as info:
             pipeline.train_step(x, y)
         assert (info.value.stage, info.value.step) == (0, 2)
@@ -203,7 +220,8 @@ def test_failing_and_killed_stages_are_named(ray_session: object) -> None:
          "split_points: 'layer2' does not come after 'layer4.0'; give split points in model order"),
         ({"num_microbatches": 0}, "num_microbatches: need at least 1 micro-batch, got 0"),
         ({"num_stages": 3, "schedule": "1f1b", "num_microbatches": 2},
-         "num_microbatches: 1F1B over 3 stages needs at least 3 micro-batches, got 2; use more micro-batches or the gpipe schedule"),
+         "num_microbatches: 1F1B over 3 stages needs at least 3 micro-batches, got 2; "
+         "use more micro-batches or the gpipe schedule"),
         ({"optimizer": "lamb"}, "optimizer: unknown optimizer 'lamb'; accepted: sgd, adamw"),
         ({"lr": 0}, "lr: must be > 0, got 0"),
         ({"clip_grad_norm": -1.0}, "clip_grad_norm: must be > 0, got -1.0"),
@@ -212,10 +230,12 @@ def test_failing_and_killed_stages_are_named(ray_session: object) -> None:
         ({"balance": "time"}, "balance: 'time' needs sample_input, a batch like the training batches, to profile on"),
         ({"balance": "time", "sample_input": torch.zeros(3, 1, 8, 8)},
          "num_microbatches: 4 micro-batches need a batch of at least 4 samples, got 3"),
-        ({"transport": "tcp"}, "transport: unknown transport 'tcp'; accepted: object_store, nccl"),
+        ({"transport": "tcp"}, "transport: unknown transport 'tcp'; accepted: object_store, nccl, gloo"),
         ({"cpus_per_stage": 0}, "cpus_per_stage: must be a whole number >= 1, got 0"),
         ({"use_gpu": True}, "num_stages: 2 stages need 2 GPU (1 each); the Ray cluster has 0"),
         ({"transport": "nccl", "use_gpu": False}, "transport: 'nccl' moves tensors between GPUs; it needs use_gpu"),
+        ({"transport": "gloo", "use_gpu": True},
+         "transport: 'gloo' moves CPU tensors; GPU stages use 'nccl' or 'object_store'"),
         ({"cpus_per_stage": 3}, "cpus_per_stage: 2 stages need 6 CPU (3 each); the Ray cluster has 4"),
         ({"placement_strategy": "RANDOM"},
          "placement_strategy: unknown strategy 'RANDOM'; accepted: STRICT_PACK, PACK, SPREAD, STRICT_SPREAD"),
@@ -224,7 +244,7 @@ def test_failing_and_killed_stages_are_named(ray_session: object) -> None:
 def test_bad_input_fails_before_any_actor(
     ray_session: object, monkeypatch: pytest.MonkeyPatch, kwargs: dict, message: str
 ) -> None:
-    if kwargs.get("use_gpu") and torch.cuda.is_available():
+    if kwargs == {"use_gpu": True} and torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
 
     def no_placement(*args: object, **kw: object) -> None:
@@ -237,10 +257,18 @@ def test_bad_input_fails_before_any_actor(
     assert str(info.value) == message
 
 
-def test_model_dtype_must_be_float32_or_float64() -> None:
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (build_model("resnet18", 10).half(),
+         "model: parameters are torch.float16; use float32 or float64 (bf16 through autocast_bf16)"),
+        (nn.Sequential(nn.ReLU()), "model: has no parameters to train"),
+    ],
+)
+def test_bad_models(model: nn.Module, message: str) -> None:
     with pytest.raises(UsageError) as info:
-        PipelineTrainer(build_model("resnet18", 10).half(), 2)
-    assert str(info.value) == "model: parameters are torch.float16; use float32 or float64 (bf16 through autocast_bf16)"
+        PipelineTrainer(model, 1)
+    assert str(info.value) == message
 
 
 def test_placement_checks() -> None:
@@ -264,11 +292,13 @@ def test_placement_checks() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_stages_equal_gradient_accumulation(ray_session: object) -> None:
+@pytest.mark.parametrize("transport", ["object_store", "nccl"])
+def test_gpu_stages_equal_gradient_accumulation(ray_session: object, transport: str) -> None:
     num_stages = min(2, int(ray.cluster_resources().get("GPU", 0)))
-    if num_stages < 1:
-        pytest.skip("the Ray session sees no GPU")
-    with PipelineTrainer(_model(torch.float64), num_stages, lr=LRS[0], use_gpu=True) as pipeline:
+    if num_stages < (2 if transport == "nccl" else 1):
+        pytest.skip(f"the Ray session sees too few GPUs for {transport}")
+    options = {"lr": LRS[0], "use_gpu": True, "transport": transport}
+    with PipelineTrainer(_model(torch.float64), num_stages, **options) as pipeline:
         assert len(pipeline.devices) == num_stages
         x, y = _batches(torch.float64, 1)[0]
         loss = pipeline.train_step(x, y)

@@ -140,3 +140,18 @@ class ParquetImageDataset(Dataset):
         if rng.random() < 0.5:
             image = image[:, ::-1]
         return image
+
+
+def checked_dataset(data: str | None, batch_size: int, batch_option: str) -> tuple[str, DatasetMeta]:
+    """Resolve ``data`` (None: the built-in digits), open and check every shard of both splits, and
+    check that one batch of ``batch_size`` fits in the train split. Needs no Ray, so a bad data set
+    is reported before any cluster resource is requested."""
+    from raytrain_mp.data.default import resolve_dataset
+
+    root = resolve_dataset(data)
+    meta = read_meta(root)
+    for split in ("train", "val"):
+        ParquetImageDataset(root, split, meta=meta)
+    if batch_size > meta.counts["train"]:
+        raise UsageError(f"{batch_option} {batch_size} exceeds the {meta.counts['train']} training samples")
+    return root, meta

@@ -7,13 +7,25 @@ Pure pieces (no Ray): ``blocks`` (model -> named blocks), ``partition`` (blocks 
 
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
 from raytrain_mp.pipeline.deferred_bn import DeferredBatchNorm, commit_deferred_batchnorm, convert_deferred_batchnorm
-from raytrain_mp.pipeline.microbatch import MicroBatch, split_batch
-from raytrain_mp.pipeline.partition import StagePlan, balance_bounds, plan_stages, profile_blocks, split_bounds
+from raytrain_mp.pipeline.microbatch import MicroBatch, check_microbatches, split_batch
+from raytrain_mp.pipeline.partition import (
+    BALANCE_MODES,
+    StagePlan,
+    balance_bounds,
+    plan_stages,
+    profile_blocks,
+    split_bounds,
+)
 from raytrain_mp.pipeline.schedule import SCHEDULES, build_schedule, clock_ticks, gpipe, one_f_one_b
-from raytrain_mp.pipeline.trainer import PipelineTrainer, StageFailedError
+from raytrain_mp.pipeline.stage import OPTIMIZERS
+from raytrain_mp.pipeline.trainer import PLACEMENT_STRATEGIES, TRANSPORTS, PipelineTrainer, StageFailedError
 
 __all__ = [
+    "BALANCE_MODES",
+    "OPTIMIZERS",
+    "PLACEMENT_STRATEGIES",
     "SCHEDULES",
+    "TRANSPORTS",
     "Block",
     "DeferredBatchNorm",
     "MicroBatch",
@@ -24,6 +36,7 @@ __all__ = [
     "balance_bounds",
     "block_parameter_counts",
     "build_schedule",
+    "check_microbatches",
     "clock_ticks",
     "commit_deferred_batchnorm",
     "convert_deferred_batchnorm",

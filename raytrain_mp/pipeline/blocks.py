@@ -64,7 +64,16 @@ def _flatten_resnet(model: ResNet) -> list[Block]:
 
 
 def _flatten_sequential(model: nn.Sequential) -> list[Block]:
-    return [Block(name, (name,)) for name, _ in model.named_children()]
+    # A child without parameters (an activation, a pooling) joins the block before it, so that
+    # every block, and so every stage, has parameters for its optimizer. Named "0+1" for children 0, 1.
+    groups: list[tuple[list[str], bool]] = []  # (child names, whether any has parameters)
+    for name, child in model.named_children():
+        has_params = next(child.parameters(), None) is not None
+        if groups and not (has_params and groups[-1][1]):
+            groups[-1] = (groups[-1][0] + [name], groups[-1][1] or has_params)
+        else:
+            groups.append(([name], has_params))
+    return [Block("+".join(names), tuple(names)) for names, _ in groups]
 
 
 # Checked in order with isinstance; the only place that knows how a model type runs.

@@ -44,7 +44,9 @@ class DeferredBatchNorm(_BatchNorm):
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
         if not self.training:
-            return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+            return F.batch_norm(
+                input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+            )
         self._accumulate(input.detach())
         return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
 

@@ -47,7 +47,9 @@ def check_stage_count(num_blocks: int, num_stages: int) -> None:
     if num_stages < 1:
         raise UsageError(f"num_stages: need at least 1 stage, got {num_stages}")
     if num_stages > num_blocks:
-        raise UsageError(f"num_stages: {num_stages} stages need at least {num_stages} blocks; the model has {num_blocks}")
+        raise UsageError(
+            f"num_stages: {num_stages} stages need at least {num_stages} blocks; the model has {num_blocks}"
+        )
 
 
 def split_bounds(block_names: Sequence[str], split_points: Sequence[str], num_stages: int) -> list[int]:
@@ -68,7 +70,8 @@ def split_bounds(block_names: Sequence[str], split_points: Sequence[str], num_st
             raise UsageError(f"split_points: cutting before {point!r} would leave stage 0 empty")
         if start <= bounds[-1]:
             raise UsageError(
-                f"split_points: {point!r} does not come after {block_names[bounds[-1]]!r}; give split points in model order"
+                f"split_points: {point!r} does not come after {block_names[bounds[-1]]!r}; "
+                "give split points in model order"
             )
         bounds.append(start)
     return bounds + [len(block_names)]

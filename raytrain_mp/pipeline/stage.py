@@ -140,7 +140,7 @@ class StageWorker:
 
     def ready(self) -> str:
         """The stage's device, once construction has finished."""
-        return str(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device)
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
 
     @contextmanager
     def _timed(self) -> Iterator[None]:

@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch import Tensor, nn
 
 from raytrain_mp.errors import UsageError
-from raytrain_mp.pipeline.blocks import StageModule, block_parameter_counts, flatten_model
+from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
 from raytrain_mp.pipeline.microbatch import check_microbatches, split_batch
 from raytrain_mp.pipeline.partition import (
     BALANCE_MODES,
@@ -47,7 +47,9 @@ from raytrain_mp.pipeline.schedule import FORWARD, build_schedule, clock_ticks
 from raytrain_mp.pipeline.stage import StageConfig, StageWorker, check_optimizer, profile_on_stage_device
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-TRANSPORTS = ("object_store", "nccl")
+# object_store: through host memory (always works). nccl (GPU stages) and gloo (CPU stages): Ray's
+# direct transport (RDT), tensors go from one stage to the next without the object store.
+TRANSPORTS = ("object_store", "nccl", "gloo")
 _PLACEMENT_TIMEOUT_S = 120.0
 
 
@@ -71,6 +73,16 @@ def _summary(error: BaseException) -> str:
         error = error.cause  # without Ray's traceback
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[0] if lines else repr(error)}"
+
+
+def _error_of(ref: ray.ObjectRef) -> RayError | None:
+    # Reading every result of a failed step, not only the first error, also keeps Ray from
+    # logging each unread error object with its traceback when it is freed.
+    try:
+        ray.get(ref)
+    except RayError as error:
+        return error
+    return None
 
 
 def check_resources(
@@ -106,6 +118,43 @@ def check_resources(
         )
 
 
+def _check_options(
+    model: nn.Module, optimizer: str, lr: float, momentum: float, weight_decay: float,
+    clip_grad_norm: float | None, cpus_per_stage: int, transport: str,
+) -> None:
+    first = next(model.parameters(), None)
+    if first is None:
+        raise UsageError("model: has no parameters to train")
+    dtype = first.dtype
+    if dtype not in (torch.float32, torch.float64):
+        raise UsageError(f"model: parameters are {dtype}; use float32 or float64 (bf16 through autocast_bf16)")
+    check_optimizer(optimizer, lr, momentum, weight_decay)
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise UsageError(f"clip_grad_norm: must be > 0, got {clip_grad_norm}")
+    if cpus_per_stage < 1 or int(cpus_per_stage) != cpus_per_stage:
+        raise UsageError(f"cpus_per_stage: must be a whole number >= 1, got {cpus_per_stage}")
+    if transport not in TRANSPORTS:
+        raise UsageError(f"transport: unknown transport {transport!r}; accepted: {', '.join(TRANSPORTS)}")
+
+
+def _balance_mode(
+    split_points: Sequence[str] | None, balance: str | None, sample_input: Tensor | None, num_microbatches: int
+) -> str | None:
+    """The balance mode to use: None when split points decide, "params" when nothing was asked."""
+    if split_points is not None:
+        if balance is not None:
+            raise UsageError("split_points, balance: give one of them, not both")
+        return None
+    balance = balance or "params"
+    if balance not in BALANCE_MODES:
+        raise UsageError(f"balance: unknown mode {balance!r}; accepted: {', '.join(BALANCE_MODES)}")
+    if balance == "time":
+        if sample_input is None:
+            raise UsageError("balance: 'time' needs sample_input, a batch like the training batches, to profile on")
+        check_microbatches(num_microbatches, len(sample_input))
+    return balance
+
+
 @cache
 def _stage_actor_class(device_transport: bool) -> Any:
     # Ray runs the tasks of an RDT-enabled actor on a background thread and wants the option at
@@ -122,8 +171,11 @@ class PipelineTrainer:
     ``"params"`` (equal parameter counts) or ``"time"`` (equal forward+backward seconds, profiled
     on one stage's device with the first micro-batch of ``sample_input``). Neither means
     ``"params"``. ``use_gpu=None`` uses GPUs when the Ray cluster has any. ``transport="nccl"``
-    sends activations GPU-to-GPU with Ray's direct transport (RDT); ``"object_store"`` goes
-    through host memory. The model itself is left untouched: every stage works on a copy.
+    (GPU stages) or ``"gloo"`` (CPU stages) sends activations and gradients straight from stage to
+    stage with Ray's direct transport (RDT); ``"object_store"`` goes through host memory.
+
+    The model itself is left untouched: every stage works on a copy. Starts a local Ray instance
+    (``ray.init()``) when none is connected. Stage indices count from 0, steps from 1.
     """
 
     def __init__(
@@ -153,25 +205,8 @@ class PipelineTrainer:
         check_stage_count(len(blocks), num_stages)
         self.num_stages = num_stages
         self.set_schedule(schedule, num_microbatches)
-        dtype = next(model.parameters()).dtype
-        if dtype not in (torch.float32, torch.float64):
-            raise UsageError(f"model: parameters are {dtype}; use float32 or float64 (bf16 through autocast_bf16)")
-        check_optimizer(optimizer, lr, momentum, weight_decay)
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise UsageError(f"clip_grad_norm: must be > 0, got {clip_grad_norm}")
-        if cpus_per_stage < 1 or int(cpus_per_stage) != cpus_per_stage:
-            raise UsageError(f"cpus_per_stage: must be a whole number >= 1, got {cpus_per_stage}")
-        if transport not in TRANSPORTS:
-            raise UsageError(f"transport: unknown transport {transport!r}; accepted: {', '.join(TRANSPORTS)}")
-        if split_points is not None and balance is not None:
-            raise UsageError("split_points, balance: give one of them, not both")
-        balance = balance or ("params" if split_points is None else None)
-        if balance is not None and balance not in BALANCE_MODES:
-            raise UsageError(f"balance: unknown mode {balance!r}; accepted: {', '.join(BALANCE_MODES)}")
-        if balance == "time":
-            if sample_input is None:
-                raise UsageError("balance: 'time' needs sample_input, a batch like the training batches, to profile on")
-            check_microbatches(num_microbatches, len(sample_input))
+        _check_options(model, optimizer, lr, momentum, weight_decay, clip_grad_norm, cpus_per_stage, transport)
+        balance = _balance_mode(split_points, balance, sample_input, num_microbatches)
         params = block_parameter_counts(model, blocks)
         bounds = split_bounds(names, split_points, num_stages) if split_points is not None else None
         if balance == "params":
@@ -184,13 +219,16 @@ class PipelineTrainer:
             use_gpu = sum(node.get("GPU", 0) for node in nodes) > 0
         if transport == "nccl" and not use_gpu:
             raise UsageError("transport: 'nccl' moves tensors between GPUs; it needs use_gpu")
+        if transport == "gloo" and use_gpu:
+            raise UsageError("transport: 'gloo' moves CPU tensors; GPU stages use 'nccl' or 'object_store'")
         bundle = {"CPU": cpus_per_stage, **({"GPU": 1} if use_gpu else {})}
         check_resources(nodes, num_stages, bundle, placement_strategy)
 
         self.use_gpu = use_gpu
         self.clip_grad_norm = clip_grad_norm
         self.steps_done = 0  # train steps completed; the CLI sets it when resuming
-        self._rdt = transport == "nccl"
+        self._transport = transport
+        self._rdt = transport != "object_store"
         self._actors: list[Any] = []
         self._pg = placement_group([dict(bundle) for _ in range(num_stages)], strategy=placement_strategy)
         try:
@@ -210,12 +248,13 @@ class PipelineTrainer:
                     weight_decay=weight_decay, use_gpu=use_gpu, num_cpus=cpus_per_stage,
                     deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, keep_on_device=self._rdt,
                 )
-                self._actors.append(actor_class.options(**self._placement(index, cpus_per_stage)).remote(module, config))
+                options = self._placement(index, cpus_per_stage)
+                self._actors.append(actor_class.options(**options).remote(module, config))
             self.devices: list[str] = self._call_all("ready")
             if self._rdt:
                 from ray.experimental.collective import create_collective_group
 
-                create_collective_group(self._actors, backend="nccl")
+                create_collective_group(self._actors, backend=transport)
         except BaseException:
             self.shutdown()
             raise
@@ -238,7 +277,9 @@ class PipelineTrainer:
                 f"{_PLACEMENT_TIMEOUT_S:g} s; other jobs may hold the resources"
             )
 
-    def _profile(self, model: nn.Module, blocks: list, sample: Tensor, cpus: int, autocast_bf16: bool) -> list[float]:
+    def _profile(
+        self, model: nn.Module, blocks: list[Block], sample: Tensor, cpus: int, autocast_bf16: bool
+    ) -> list[float]:
         # Profile where stage 0 will run, before its actor takes the bundle: the target device.
         task = ray.remote(profile_on_stage_device).options(**self._placement(0, cpus))
         return ray.get(task.remote(model, blocks, sample, self.use_gpu, cpus, autocast_bf16))
@@ -256,24 +297,25 @@ class PipelineTrainer:
     def _call(self, stage: int, method: str, *args: Any, tensor_out: bool = False) -> ray.ObjectRef:
         bound = getattr(self._actors[stage], method)
         if tensor_out and self._rdt:
-            bound = bound.options(tensor_transport="nccl")
+            bound = bound.options(tensor_transport=self._transport)
         return bound.remote(*args)
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         refs = [(stage, self._call(stage, method, *args)) for stage in range(self.num_stages)]
         return self._gather(refs, [ref for _, ref in refs], step=None)
 
-    def _gather(self, submitted: list[tuple[int, ray.ObjectRef]], wanted: list[ray.ObjectRef], step: int | None) -> list[Any]:
+    def _gather(
+        self, submitted: list[tuple[int, ray.ObjectRef]], wanted: list[ray.ObjectRef], step: int | None
+    ) -> list[Any]:
         """``ray.get(wanted)``, turning a failure into ``StageFailedError`` for its origin stage."""
         try:
             return ray.get(wanted)
-        except RayError as error:
-            for stage, ref in submitted:
-                try:
-                    ray.get(ref)
-                except RayError as origin:
-                    raise StageFailedError(stage, self.num_stages, step, origin) from origin
-            raise StageFailedError(-1, self.num_stages, step, error) from error
+        except RayError:
+            failures = [(stage, error) for stage, ref in submitted if (error := _error_of(ref)) is not None]
+            if not failures:
+                raise
+            stage, origin = failures[0]
+            raise StageFailedError(stage, self.num_stages, step, origin) from origin
 
     def train_step(self, inputs: Tensor, targets: Tensor) -> float:
         """One optimizer step on the batch; returns the batch mean cross-entropy loss."""
@@ -384,6 +426,10 @@ class PipelineTrainer:
             raise UsageError(f"optimizer state: {len(states)} stage states for {self.num_stages} stages")
         refs = [(stage, self._call(stage, "load_optimizer_state_dict", state)) for stage, state in enumerate(states)]
         self._gather(refs, [ref for _, ref in refs], step=None)
+
+    def actor(self, stage: int) -> Any:
+        """The Ray actor handle of ``stage`` (for inspection and fault injection)."""
+        return self._actors[stage]
 
     def shutdown(self) -> None:
         """Stop the stage actors and free their placement group (safe to call twice)."""

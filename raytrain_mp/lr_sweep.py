@@ -1,0 +1,234 @@
+"""What a learning-rate sweep is: the validated ``TuneConfig`` of ``raytrain-mp tune``.
+
+Pure: no Ray, no writes. A sweep is a search space over the four per-trial DDP options (``base_lr``,
+``global_batch_size``, ``optimizer``, ``warmup_epochs``) plus every other ``DDPConfig`` option,
+applied to every trial alike. Invariants:
+
+- ``TuneConfig`` takes its per-trial-alike fields from ``DDPConfig`` itself (same names, types,
+  defaults, help), so a DDP option can never be missing from, or differ in, the sweep command.
+- A trial's config is ``dataclasses.replace(template, **params)`` with ``params`` keyed by
+  ``DDPConfig`` field names, so the best trial's config is a plain ``DDPConfig``.
+- ``validate()`` rejects every bad grid and every option a trial would reject, before any trial
+  starts; ``trials_that_fit`` rejects a trial larger than the cluster and caps concurrency so
+  that running trials' workers always fit (Tune would otherwise start trial drivers whose workers
+  wait forever, ray issue 54305).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import random
+import typing
+from pathlib import Path
+from typing import Any
+
+from raytrain_mp.config import OPTIMIZERS, DDPConfig, build_config, check, check_choice, flag_name, option
+from raytrain_mp.errors import UsageError
+
+# Per-trial DDP options: their values come from the search space (keys of a trial's params).
+PER_TRIAL = ("base_lr", "global_batch_size", "optimizer", "warmup_epochs")
+# DDP options a sweep does not pass on: it names the experiment itself and each trial's run, and
+# resuming every trial from one checkpoint is not a sweep.
+NOT_PASSED_ON = ("name", "resume_from", "json")
+
+DEFAULT_BASE_LRS = (0.1, 0.2, 0.4, 0.8)
+DEFAULT_NUM_SAMPLES = 8
+# The trial's function (it builds and fits the TorchTrainer) is a Tune actor; it mostly waits, but
+# reserving a CPU for it keeps the count of trials that fit honest.
+TRIAL_DRIVER_CPUS = 1.0
+SWEEP_FILE = "sweep.yaml"
+
+
+@dataclasses.dataclass
+class SweepOptions:
+    """The options only a sweep has; ``TuneConfig`` adds the DDP options to these."""
+
+    base_lrs: tuple[float, ...] | None = option(
+        None, f"grid of base learning rates, e.g. 0.1,0.2,0.4 (default: {','.join(map(str, DEFAULT_BASE_LRS))} "
+        "unless --lr-min/--lr-max)"
+    )  # fmt: skip
+    lr_min: float | None = option(None, "log-uniform search instead of a grid: smallest base lr (with --lr-max)")
+    lr_max: float | None = option(None, "log-uniform search: largest base lr (with --lr-min)")
+    num_samples: int | None = option(
+        None, f"log-uniform search: base lrs drawn (seeded by --seed), each tried at every batch size (default: {DEFAULT_NUM_SAMPLES})"
+    )
+    global_batch_sizes: tuple[int, ...] = option((64, 128), "grid of global batch sizes")
+    optimizers: tuple[str, ...] = option((DDPConfig.optimizer,), f"grid of optimizers ({', '.join(OPTIMIZERS)})")
+    warmup_epochs_grid: tuple[float, ...] = option((DDPConfig.warmup_epochs,), "grid of warmup epochs")
+    scheduler: str = option("asha", "early stopping of weak trials (ASHA on --metric), or none", ("asha", "none"))
+    metric: str = option("val_accuracy", "what picks the best trial (and what ASHA compares)", ("val_accuracy", "val_loss"))
+    grace_period: int = option(1, "asha: epochs every trial runs before it may be stopped")
+    reduction_factor: float = option(2.0, "asha: at each rung, keep the best 1/this of trials")
+    max_concurrent_trials: int | None = option(
+        None, "trials at once (default: as many as the cluster fits, each trial's driver CPU and workers counted)"
+    )
+    name: str | None = option(None, "experiment name; its folder is --storage-path/NAME (default: tune-<time>)")
+    resume: str | None = option(None, f"experiment folder of an interrupted sweep to finish (its options come from its {SWEEP_FILE})")
+    json: bool = False
+
+    @property
+    def mode(self) -> str:
+        return "max" if self.metric == "val_accuracy" else "min"
+
+    @property
+    def log_uniform(self) -> bool:
+        return self.lr_min is not None or self.lr_max is not None
+
+    def grid(self) -> dict[str, tuple]:
+        """The search space: every combination of these values, keyed by ``DDPConfig`` field, is a trial."""
+        return {
+            "global_batch_size": self.global_batch_sizes,
+            "optimizer": self.optimizers,
+            "warmup_epochs": self.warmup_epochs_grid,
+            "base_lr": self.base_lr_values(),
+        }
+
+    def base_lr_values(self) -> tuple[float, ...]:
+        """The grid, or ``num_samples`` log-uniform draws seeded by ``--seed``, sorted.
+
+        Drawn here rather than by Tune so that every grid point gets the same lrs (the curves of the
+        plot share their x values) and a rerun with the same seed tries the same lrs."""
+        if not self.log_uniform:
+            return self.base_lrs if self.base_lrs is not None else DEFAULT_BASE_LRS
+        rng = random.Random(self.seed)
+        low, high = math.log(self.lr_min), math.log(self.lr_max)
+        draws = (math.exp(rng.uniform(low, high)) for _ in range(self.num_samples or DEFAULT_NUM_SAMPLES))
+        return tuple(sorted(float(f"{lr:.4g}") for lr in draws))  # 4 digits: readable in trial names and tables
+
+    def num_trials(self) -> int:
+        return math.prod(len(values) for values in self.grid().values())
+
+    def template(self) -> DDPConfig:
+        """The DDP config every trial shares; the per-trial fields hold the first grid point."""
+        shared = {name: getattr(self, name) for name in _passed_on_names()}
+        first = {name: values[0] for name, values in self.grid().items()}
+        return DDPConfig(**shared, **first)
+
+    def validate(self) -> None:
+        for name in ("scheduler", "metric"):
+            check_choice(self, name)
+        self._validate_lrs()
+        check(bool(self.global_batch_sizes), "global_batch_sizes", "the grid is empty; accepted: a comma list of batch sizes")
+        step_batch = self.num_workers * self.grad_accum_steps
+        for batch in self.global_batch_sizes:
+            check(batch >= 1, "global_batch_sizes", f"must be >= 1, got {batch}")
+            check(
+                batch % step_batch == 0,
+                "global_batch_sizes",
+                f"{batch} is not divisible by --num-workers {self.num_workers}"
+                + (f" x --grad-accum-steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else "")
+                + f"; accepted: multiples of {step_batch}",
+            )
+        check(bool(self.optimizers), "optimizers", f"the grid is empty; accepted: {', '.join(OPTIMIZERS)}")
+        for name in self.optimizers:
+            check(name in OPTIMIZERS, "optimizers", f"unknown value {name!r}; accepted: {', '.join(OPTIMIZERS)}")
+        check(bool(self.warmup_epochs_grid), "warmup_epochs_grid", "the grid is empty; accepted: a comma list of epochs")
+        for epochs in self.warmup_epochs_grid:
+            check(epochs >= 0, "warmup_epochs_grid", f"must be >= 0, got {epochs}")
+        check(1 <= self.grace_period <= self.epochs, "grace_period", f"must be in [1, --epochs {self.epochs}], got {self.grace_period}")
+        check(self.reduction_factor > 1, "reduction_factor", f"must be > 1, got {self.reduction_factor}")
+        check(
+            self.max_concurrent_trials is None or self.max_concurrent_trials >= 1,
+            "max_concurrent_trials",
+            f"must be >= 1, got {self.max_concurrent_trials}",
+        )
+        self.template().validate()  # every other option, checked exactly as the ddp command checks it
+
+    def _validate_lrs(self) -> None:
+        if self.log_uniform:
+            check(self.base_lrs is None, "base_lrs", "give either a grid (--base-lrs) or a range (--lr-min/--lr-max), not both")
+            check(self.lr_min is not None and self.lr_max is not None, "lr_min", "--lr-min and --lr-max go together")
+            check(_positive(self.lr_min), "lr_min", f"must be a finite number > 0, got {self.lr_min}")
+            check(_positive(self.lr_max) and self.lr_max > self.lr_min, "lr_max", f"must be > --lr-min {self.lr_min}, got {self.lr_max}")
+            check(self.num_samples is None or self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
+            return
+        check(self.num_samples is None, "num_samples", "only with --lr-min/--lr-max (a grid tries each value once)")
+        check(self.base_lrs is None or bool(self.base_lrs), "base_lrs", "the grid is empty; accepted: a comma list of learning rates")
+        for lr in self.base_lrs or ():
+            check(_positive(lr), "base_lrs", f"must be finite numbers > 0, got {lr}")
+
+
+def _positive(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and value > 0
+
+
+def _passed_on_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(DDPConfig) if f.name not in PER_TRIAL + NOT_PASSED_ON]
+
+
+def _passed_on_fields() -> list[tuple[str, Any, dataclasses.Field]]:
+    hints = typing.get_type_hints(DDPConfig)
+    fields = {f.name: f for f in dataclasses.fields(DDPConfig)}
+    return [
+        (name, hints[name], dataclasses.field(default=fields[name].default, metadata=fields[name].metadata))
+        for name in _passed_on_names()
+    ]
+
+
+# The sweep's own options first (they lead --help), then DDPConfig's fields, taken from it.
+TuneConfig = dataclasses.make_dataclass(
+    "TuneConfig",
+    _passed_on_fields(),
+    bases=(SweepOptions,),
+    namespace={"__module__": __name__, "__doc__": "Options of `raytrain-mp tune`: the sweep's, then every trial's."},
+)
+
+
+def tune_config_from_args(args: argparse.Namespace | dict[str, Any]) -> Any:
+    """The validated ``TuneConfig`` of a command line; ``--resume PATH`` takes PATH's saved options."""
+    given = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
+    if given.get("resume") is None:
+        return build_config(TuneConfig, given)
+    resume = str(Path(given["resume"]).expanduser().resolve())
+    check((Path(resume) / SWEEP_FILE).is_file(), "resume", f"{given['resume']} holds no {SWEEP_FILE}; accepted: a folder made by raytrain-mp tune")
+    # Trials already ran with the saved options; other values would make one sweep of two.
+    extra = sorted(set(given) - {"resume", "address", "json"})
+    if extra:
+        raise UsageError(
+            f"--resume takes every option from {Path(resume) / SWEEP_FILE}; drop {', '.join(flag_name(name) for name in extra)}"
+        )
+    return build_config(TuneConfig, {**given, "config": str(Path(resume) / SWEEP_FILE), "resume": resume})
+
+
+def trial_config(template: DDPConfig, params: dict[str, Any], **overrides: Any) -> DDPConfig:
+    """One trial's DDP config: the template with the trial's point of the search space."""
+    unknown = set(params) - set(PER_TRIAL)
+    if unknown:
+        raise ValueError(f"not per-trial options: {sorted(unknown)}")
+    return dataclasses.replace(template, **params, **overrides)
+
+
+def trials_that_fit(cluster_cpus: float, cluster_gpus: float, num_workers: int, cpus_per_worker: int, use_gpu: bool) -> int:
+    """How many trials run at once without any trial's workers waiting for resources; >= 1 or UsageError."""
+    trial_cpus = TRIAL_DRIVER_CPUS + num_workers * cpus_per_worker
+    if trial_cpus > cluster_cpus:
+        raise UsageError(
+            f"--num-workers {num_workers}: a trial needs {trial_cpus:g} CPUs ({TRIAL_DRIVER_CPUS:g} for its driver + "
+            f"{num_workers} x --cpus-per-worker {cpus_per_worker}) but the Ray cluster has {cluster_cpus:g}; "
+            f"accepted: at most {max(0, int((cluster_cpus - TRIAL_DRIVER_CPUS) // cpus_per_worker))} workers"
+        )
+    fit = int(cluster_cpus // trial_cpus)
+    if use_gpu:
+        if num_workers > cluster_gpus:
+            raise UsageError(
+                f"--num-workers {num_workers}: a trial needs {num_workers} GPUs but the Ray cluster has "
+                f"{cluster_gpus:g}; accepted: at most {int(cluster_gpus)} with --use-gpu, or --no-use-gpu"
+            )
+        fit = min(fit, int(cluster_gpus // num_workers))
+    return fit
+
+
+def concurrency(cfg: Any, cluster_cpus: float, cluster_gpus: float, use_gpu: bool) -> int:
+    """``--max-concurrent-trials``, or what fits; more than fits is a UsageError (it would deadlock)."""
+    fit = trials_that_fit(cluster_cpus, cluster_gpus, cfg.num_workers, cfg.cpus_per_worker, use_gpu)
+    if cfg.max_concurrent_trials is None:
+        return fit
+    check(
+        cfg.max_concurrent_trials <= fit,
+        "max_concurrent_trials",
+        f"{cfg.max_concurrent_trials} trials do not fit on the Ray cluster ({cluster_cpus:g} CPUs, "
+        f"{cluster_gpus:g} GPUs); accepted: at most {fit}",
+    )
+    return cfg.max_concurrent_trials

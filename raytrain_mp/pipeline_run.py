@@ -1,0 +1,244 @@
+"""The ``raytrain-mp pipeline`` training run: epochs of pipelined steps over stage actors.
+
+Reads top to bottom like the DDP loop, but on the driver: data, model, restore, then epochs of
+(train with a per-step learning rate, evaluate, checkpoint). Invariants:
+
+- Sample order is a pure function of (seed, epoch): a seeded permutation, full batches only, so a
+  resumed run sees the same batches an uninterrupted one would.
+- A checkpoint folder holds one merged ``model.pt`` (the plain model's state dict, loadable with
+  ``strict=True``) and ``train_state.pt`` with each stage's optimizer state; it is written into a
+  temporary folder and renamed into ``STORAGE/NAME/checkpoint_EEEEEE``, so it is never half there.
+- A stage failure (``StageFailedError``) with failures left rebuilds every stage from the newest
+  checkpoint (or the initial model when there is none yet) and continues from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from pathlib import Path
+
+import ray
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from raytrain_mp.checkpointing import read_checkpoint, rng_states, set_rng_states, write_checkpoint
+from raytrain_mp.config import PipelineConfig, to_yaml
+from raytrain_mp.data import ParquetImageDataset, read_meta
+from raytrain_mp.data.dataset import checked_dataset
+from raytrain_mp.errors import UsageError
+from raytrain_mp.lr_schedule import make_schedule
+from raytrain_mp.models import build_model, wants_small_stem
+from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
+from raytrain_mp.pipeline.blocks import flatten_model
+from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
+
+CHECKPOINT_PREFIX = "checkpoint_"
+# PipelineTrainer's errors name its Python arguments; on the command line they are these flags.
+FLAG_OF_ARGUMENT = {
+    "num_stages": "--stages",
+    "split_points": "--split-points",
+    "num_microbatches": "--microbatches",
+    "use_gpu": "--use-gpu",
+    "cpus_per_stage": "--cpus-per-stage",
+    "placement_strategy": "--placement",
+    "clip_grad_norm": "--clip-grad-norm",
+    "balance": "--balance",
+    "schedule": "--schedule",
+}
+
+
+def as_flag_error(exc: UsageError) -> UsageError:
+    """The same one-line error with the Python argument it starts with renamed to its flag."""
+    return UsageError(re.sub(r"^(\w+):", lambda m: FLAG_OF_ARGUMENT.get(m.group(1), m.group(1)) + ":", str(exc)))
+
+
+def build_run_model(cfg: PipelineConfig, meta) -> nn.Module:
+    small_stem = wants_small_stem(meta.image_size) if cfg.small_stem is None else cfg.small_stem
+    dtype = torch.float64 if cfg.precision == "fp64" else torch.float32
+    return build_model(cfg.model, meta.num_classes, meta.channels, small_stem, cfg.weights).to(dtype)
+
+
+def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
+    """``cfg`` with data resolved and checked, the stage cut checked against the model's blocks,
+    and the run's name and storage folder fixed: everything that needs no Ray."""
+    data, meta = checked_dataset(cfg.data, cfg.batch_size, "--batch-size")
+    names = [block.name for block in flatten_model(build_run_model(cfg, meta))]
+    try:
+        check_stage_count(len(names), cfg.stages)
+        if cfg.split_points:
+            split_bounds(names, cfg.split_points, cfg.stages)
+    except UsageError as exc:
+        raise as_flag_error(exc) from None
+    name = cfg.name or time.strftime("pipeline-%Y%m%d-%H%M%S")
+    storage = str(Path(cfg.storage_path).expanduser().resolve())
+    return dataclasses.replace(cfg, data=data, name=name, storage_path=storage)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = sorted(run_dir.glob(f"{CHECKPOINT_PREFIX}*"))
+    return found[-1] if found else None
+
+
+def publish_checkpoint(folder: Path, run_dir: Path, epoch: int, num_to_keep: int) -> Path:
+    """Rename a complete checkpoint folder into the run, then drop the oldest beyond ``num_to_keep``."""
+    target = run_dir / f"{CHECKPOINT_PREFIX}{epoch:06d}"
+    folder.rename(target)
+    for old in sorted(run_dir.glob(f"{CHECKPOINT_PREFIX}*"))[:-num_to_keep]:
+        for file in old.iterdir():
+            file.unlink()
+        old.rmdir()
+    return target
+
+
+def epoch_batches(length: int, batch_size: int, seed: int, epoch: int) -> list[torch.Tensor]:
+    """The epoch's index batches: a seeded permutation cut into full batches."""
+    order = torch.randperm(length, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return list(order[: length // batch_size * batch_size].split(batch_size))
+
+
+def evaluate(trainer: PipelineTrainer, loader: DataLoader) -> dict[str, float]:
+    loss_sum = correct = count = 0.0
+    for x, y in loader:
+        logits = trainer.predict(x)
+        loss_sum += nn.functional.cross_entropy(logits.double(), y, reduction="sum").item()
+        correct += (logits.argmax(dim=1) == y).sum().item()
+        count += len(y)
+    return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_count": int(count)}
+
+
+def maybe_kill_stage(spec: str | None, trainer: PipelineTrainer, epoch: int) -> None:
+    """Testing hook: ``STAGE:EPOCH:MARKER`` kills stage actor STAGE once after EPOCH."""
+    if spec is None:
+        return
+    stage, fault_epoch, marker = spec.split(":", 2)
+    if epoch == int(fault_epoch) and not Path(marker).exists():
+        Path(marker).write_text(f"killed stage {stage} after epoch {epoch}\n")
+        ray.kill(trainer.actor(int(stage)))
+
+
+def run_pipeline(cfg: PipelineConfig) -> dict:
+    """Train on the connected Ray cluster; returns the final summary. ``cfg`` must have passed
+    ``with_checked_inputs``."""
+    torch.manual_seed(cfg.seed)
+    dtype = torch.float64 if cfg.precision == "fp64" else torch.float32
+    meta = read_meta(cfg.data)
+    model = build_run_model(cfg, meta)
+    train_ds = ParquetImageDataset(cfg.data, "train", augment=cfg.augment, seed=cfg.seed, dtype=dtype, meta=meta)
+    val_loader = DataLoader(ParquetImageDataset(cfg.data, "val", dtype=dtype, meta=meta), batch_size=cfg.batch_size)
+    steps_per_epoch = len(train_ds) // cfg.batch_size
+    schedule = make_schedule(
+        cfg.base_lr, cfg.batch_size, cfg.base_batch, cfg.lr_rule, cfg.warmup_epochs,
+        cfg.epochs, steps_per_epoch, cfg.lr_decay, cfg.step_epochs, cfg.gamma,
+    )  # fmt: skip
+    run_dir = Path(cfg.storage_path) / cfg.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sample = torch.stack([train_ds[i][0] for i in range(cfg.batch_size)])  # what time balancing profiles
+
+    failures = 0
+    while True:
+        # A rerun of the same name, or a restart after a stage failure, continues from the newest checkpoint.
+        resume = latest_checkpoint(run_dir) or (Path(cfg.resume_from) if cfg.resume_from else None)
+        start_epoch, optimizer_states = 0, None
+        if resume is not None:
+            model_state, train_state = read_checkpoint(resume)
+            model.load_state_dict(model_state, strict=True)
+            optimizer_states = train_state["optimizer"]
+            set_rng_states(train_state["rng"])
+            start_epoch = train_state["epoch"] + 1
+            print(f"resuming from {resume} at epoch {start_epoch + 1}", flush=True)
+        try:
+            trainer = make_trainer(cfg, model, schedule(start_epoch * steps_per_epoch), sample)
+        except UsageError as exc:
+            raise as_flag_error(exc) from None
+        try:
+            if optimizer_states is not None:
+                trainer.load_optimizer_state_dicts(optimizer_states)
+            trainer.steps_done = start_epoch * steps_per_epoch
+            for plan in trainer.plan:
+                print(describe(plan), flush=True)
+            summary = train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, start_epoch, run_dir)
+            return {**summary, "stages": [dataclasses.asdict(plan) for plan in trainer.plan], "run": str(run_dir)}
+        except StageFailedError as exc:
+            if failures >= cfg.max_failures:
+                raise
+            failures += 1
+            print(f"{exc}; restarting the stages from the last checkpoint ({failures}/{cfg.max_failures})", flush=True)
+        finally:
+            trainer.shutdown()
+
+
+def describe(plan) -> str:
+    seconds = f", {plan.seconds:.3f} s fwd+bwd" if plan.seconds is not None else ""
+    return (
+        f"stage {plan.index}: {plan.blocks[0]}..{plan.blocks[-1]} ({len(plan.blocks)} blocks, "
+        f"{plan.params / 1e6:.2f}M params = {plan.param_share:.1%}{seconds})"
+    )
+
+
+def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch.Tensor) -> PipelineTrainer:
+    balance = None if cfg.split_points else (None if cfg.balance == "none" else cfg.balance)
+    return PipelineTrainer(
+        model, cfg.stages, split_points=cfg.split_points, balance=balance, schedule=cfg.schedule,
+        num_microbatches=cfg.microbatches, optimizer=cfg.optimizer, lr=lr, momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay, use_gpu=cfg.use_gpu, deferred_bn=cfg.deferred_bn,
+        clip_grad_norm=cfg.clip_grad_norm, autocast_bf16=cfg.precision == "bf16",
+        placement_strategy=cfg.placement, cpus_per_stage=cfg.cpus_per_stage, sample_input=sample,
+    )  # fmt: skip
+
+
+def train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, start_epoch, run_dir) -> dict:
+    metrics: dict = {}
+    checkpoint = latest_checkpoint(run_dir)
+    for epoch in range(start_epoch, cfg.epochs):
+        train_ds.set_epoch(epoch)
+        started = time.perf_counter()
+        loss_sum = 0.0
+        for step, indices in enumerate(epoch_batches(len(train_ds), cfg.batch_size, cfg.seed, epoch)):
+            batch = [train_ds[int(i)] for i in indices]
+            x, y = torch.stack([b[0] for b in batch]), torch.tensor([b[1] for b in batch])
+            trainer.set_lr(schedule(epoch * steps_per_epoch + step))
+            loss_sum += trainer.train_step(x, y)
+            if cfg.log_every and (step + 1) % cfg.log_every == 0:
+                print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} loss {loss_sum / (step + 1):.4f}", flush=True)
+        elapsed = time.perf_counter() - started
+        stats = trainer.stats()
+        metrics = {
+            "epoch": epoch + 1,
+            "train_loss": loss_sum / steps_per_epoch,
+            **evaluate(trainer, val_loader),
+            "samples_per_second": steps_per_epoch * cfg.batch_size / elapsed,
+            "bubble_fraction": stats["bubble_fraction"],
+            "lr": schedule(epoch * steps_per_epoch + steps_per_epoch - 1),
+        }
+        if not math.isfinite(metrics["train_loss"]):
+            raise FloatingPointError(f"non-finite training loss at epoch {epoch + 1}; lower --base-lr")
+        if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
+            train_state = {"optimizer": trainer.optimizer_state_dicts(), "epoch": epoch, "rng": rng_states()}
+            folder = write_checkpoint(trainer.state_dict(), train_state, to_yaml(cfg), parent=str(run_dir))
+            checkpoint = publish_checkpoint(folder, run_dir, epoch + 1, cfg.num_to_keep)
+        print(
+            f"epoch {epoch + 1}/{cfg.epochs} train_loss {metrics['train_loss']:.4f} val_loss {metrics['val_loss']:.4f} "
+            f"val_accuracy {metrics['val_accuracy']:.4f} samples/s {metrics['samples_per_second']:.1f} "
+            f"bubble {metrics['bubble_fraction']:.3f} lr {metrics['lr']:.5f}",
+            flush=True,
+        )
+        maybe_kill_stage(cfg.inject_fault, trainer, epoch + 1)
+    return {
+        "val_accuracy": metrics.get("val_accuracy"),
+        "val_loss": metrics.get("val_loss"),
+        "val_count": metrics.get("val_count"),
+        "train_loss": metrics.get("train_loss"),
+        "epochs": cfg.epochs,
+        "num_stages": cfg.stages,
+        "num_microbatches": cfg.microbatches,
+        "schedule": cfg.schedule,
+        "batch_size": cfg.batch_size,
+        "samples_per_second": metrics.get("samples_per_second"),
+        "bubble_fraction": metrics.get("bubble_fraction"),
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "model": str(checkpoint / "model.pt") if checkpoint else None,
+    }

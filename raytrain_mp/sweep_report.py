@@ -1,0 +1,185 @@
+"""Turn a finished sweep's trials into its outputs: the table, the plot and the best config.
+
+Knows neither Ray nor Tune: trials arrive as ``TrialOutcome`` records. Invariants:
+
+- The table has one row per trial, errored and early-stopped ones included, and the same columns
+  and types (``COLUMNS``) whatever the trials, in CSV and Parquet alike.
+- ``effective_lr`` is ``scaled_lr(base_lr, global_batch_size, base_batch, lr_rule)``: the peak lr the
+  trial trained with.
+- The best trial is picked from the table alone (best ``--metric`` over its epochs, errored trials
+  never), and its YAML holds ``DDPConfig`` fields only, so ``raytrain-mp ddp --config`` accepts it.
+- Outputs are written through pyarrow's filesystems, so a URI storage path works like a folder.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.fs as pa_fs
+import pyarrow.parquet as pq
+
+from raytrain_mp.config import DDPConfig, to_yaml
+from raytrain_mp.lr_schedule import scaled_lr
+from raytrain_mp.lr_sweep import trial_config
+
+TABLE_NAME = "sweep_table"
+PLOT_FILE = "sweep_lr.png"
+BEST_FILE = "best.yaml"
+
+COLUMNS = pa.schema(
+    [
+        ("trial", pa.string()),
+        ("base_lr", pa.float64()),
+        ("global_batch_size", pa.int64()),
+        ("world_size", pa.int64()),
+        ("effective_lr", pa.float64()),
+        ("lr_rule", pa.string()),
+        ("optimizer", pa.string()),
+        ("warmup_epochs", pa.float64()),
+        ("best_val_accuracy", pa.float64()),
+        ("best_val_loss", pa.float64()),
+        ("final_val_accuracy", pa.float64()),
+        ("epochs_run", pa.int64()),
+        ("status", pa.string()),  # completed | stopped (by the scheduler) | error
+        ("error", pa.string()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """What one trial left: its point of the search space, its per-epoch metrics, its error."""
+
+    trial: str
+    params: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+
+def table_rows(outcomes: Sequence[TrialOutcome], template: DDPConfig) -> list[dict[str, Any]]:
+    """One row per trial, in ``COLUMNS`` order, sorted by (batch, optimizer, warmup, base lr)."""
+    rows = []
+    for outcome in outcomes:
+        cfg = trial_config(template, outcome.params)
+        epochs = [h for h in outcome.history if "epoch" in h]
+        run = max((int(h["epoch"]) for h in epochs), default=0)
+        status = "error" if outcome.error else "completed" if run >= cfg.epochs else "stopped"
+        # After a resume an epoch may be reported twice; the last report of the last epoch is final.
+        final = next((h for h in reversed(epochs) if int(h["epoch"]) == run), {})
+        rows.append(
+            {
+                "trial": outcome.trial,
+                "base_lr": cfg.base_lr,
+                "global_batch_size": cfg.global_batch_size,
+                "world_size": int(final.get("world_size", cfg.num_workers)),
+                "effective_lr": scaled_lr(cfg.base_lr, cfg.global_batch_size, cfg.base_batch, cfg.lr_rule),
+                "lr_rule": cfg.lr_rule,
+                "optimizer": cfg.optimizer,
+                "warmup_epochs": cfg.warmup_epochs,
+                "best_val_accuracy": max((h["val_accuracy"] for h in epochs), default=None),
+                "best_val_loss": min((h["val_loss"] for h in epochs), default=None),
+                "final_val_accuracy": final.get("val_accuracy"),
+                "epochs_run": run,
+                "status": status,
+                "error": outcome.error.strip().splitlines()[-1][:500] if outcome.error else None,
+            }
+        )
+    return sorted(rows, key=lambda r: (r["global_batch_size"], r["optimizer"], r["warmup_epochs"], r["base_lr"], r["trial"]))
+
+
+def best_row(rows: Sequence[dict[str, Any]], metric: str, mode: str) -> dict[str, Any] | None:
+    """The trial with the best ``best_<metric>``; None when no trial reported one."""
+    column = f"best_{metric}"
+    scored = [r for r in rows if r["status"] != "error" and r[column] is not None and math.isfinite(r[column])]
+    if not scored:
+        return None
+    pick = max if mode == "max" else min
+    return pick(scored, key=lambda r: r[column])
+
+
+def best_config(row: dict[str, Any], template: DDPConfig) -> DDPConfig:
+    """The DDP config of the best trial, to be rerun as a fresh run (new name, template's storage)."""
+    params = {name: row[name] for name in ("base_lr", "global_batch_size", "optimizer", "warmup_epochs")}
+    return trial_config(template, params, name=None)
+
+
+def best_yaml(row: dict[str, Any], template: DDPConfig, metric: str, experiment: str) -> str:
+    header = (
+        f"# Best trial of the sweep {experiment}: {row['trial']}\n"
+        f"# best {metric} {row[f'best_{metric}']:.6g}, effective lr {row['effective_lr']:.6g}\n"
+        f"# Run it: raytrain-mp ddp --config {BEST_FILE} [--epochs N ...]\n"
+    )
+    return header + to_yaml(best_config(row, template))
+
+
+def write_outputs(rows: Sequence[dict[str, Any]], template: DDPConfig, metric: str, mode: str, folder: str) -> dict[str, Any]:
+    """Write table (CSV, Parquet), plot and best YAML into ``folder``; return their paths and the best row."""
+    table = pa.Table.from_pylist(list(rows), schema=COLUMNS)
+    csv = io.BytesIO()
+    pa_csv.write_csv(table, csv)
+    parquet = io.BytesIO()
+    pq.write_table(table, parquet)
+    best = best_row(rows, metric, mode)
+    paths = {
+        "table_csv": write_file(folder, f"{TABLE_NAME}.csv", csv.getvalue()),
+        "table_parquet": write_file(folder, f"{TABLE_NAME}.parquet", parquet.getvalue()),
+        "plot": write_file(folder, PLOT_FILE, plot_png(rows, f"rule {template.lr_rule}, {template.model}")),
+        "best_yaml": write_file(folder, BEST_FILE, best_yaml(best, template, metric, folder).encode()) if best else None,
+    }
+    return {**paths, "best": best}
+
+
+def plot_png(rows: Sequence[dict[str, Any]], subtitle: str) -> bytes:
+    """Final val accuracy vs base lr (log x), one curve per global batch size (and optimizer,
+    warmup when they vary); each curve's peak is starred, early-stopped trials are hollow."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on workers and CI
+    import matplotlib.pyplot as plt
+
+    varying = [key for key in ("optimizer", "warmup_epochs") if len({r[key] for r in rows}) > 1]
+    curves: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["final_val_accuracy"] is not None:
+            curves.setdefault((r["global_batch_size"], *(r[k] for k in varying)), []).append(r)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, points in sorted(curves.items()):
+        points.sort(key=lambda r: r["base_lr"])
+        label = ", ".join([f"batch {key[0]}", *(f"{k.split('_')[0]} {v}" for k, v in zip(varying, key[1:]))])
+        xs, ys = [p["base_lr"] for p in points], [p["final_val_accuracy"] for p in points]
+        (line,) = ax.plot(xs, ys, "-", label=label)
+        for p in points:
+            filled = p["status"] == "completed"
+            ax.plot(p["base_lr"], p["final_val_accuracy"], "o", color=line.get_color(), mfc=line.get_color() if filled else "none")
+        peak = max(points, key=lambda r: r["final_val_accuracy"])
+        ax.plot(peak["base_lr"], peak["final_val_accuracy"], "*", ms=14, color=line.get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("base learning rate (at the base batch; scaled per trial by the rule)")
+    ax.set_ylabel("final validation accuracy")
+    ax.set_title(f"Learning-rate sweep ({subtitle})\n* peak per curve; hollow: stopped early")
+    ax.grid(True, which="both", alpha=0.3)
+    if curves:
+        ax.legend()
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def write_file(folder: str, name: str, data: bytes) -> str:
+    """Write ``data`` to ``folder/name`` (a local folder or a pyarrow URI) and return that path."""
+    if "://" in folder:
+        fs, root = pa_fs.FileSystem.from_uri(folder)
+    else:
+        fs, root = pa_fs.LocalFileSystem(), folder
+    fs.create_dir(root, recursive=True)
+    with fs.open_output_stream(f"{root.rstrip('/')}/{name}") as out:
+        out.write(data)
+    return f"{folder.rstrip('/')}/{name}"

@@ -1,0 +1,142 @@
+"""Run a learning-rate sweep on Ray Tune: each trial builds and fits one Ray Train ``TorchTrainer``.
+
+The Ray Train V2 pattern (DESIGN.md): a trial is a function that turns its point of the search
+space into a ``DDPConfig`` and fits ``build_trainer(cfg)`` with ``TuneReportCallback`` in the run's
+callbacks, so every epoch's rank-0 metrics reach Tune (its scheduler and the results). Invariants:
+
+- Before Ray starts, the data set is checked and the experiment folder is new (or, with
+  ``--resume``, has the sweep's ``sweep.yaml``); before any trial starts, a trial's driver plus
+  workers fit the cluster and at most as many trials as fit run at once. Ray Train places the
+  workers in its own placement group, outside the trial's, so starting more trials than fit would
+  leave their drivers holding CPUs their workers wait for (ray issue 54305).
+- The sweep's options are saved as ``EXPERIMENT/sweep.yaml`` before the first trial: a resume needs
+  nothing else. A trial's Train run is ``EXPERIMENT/train-<trial id>``, so a trial interrupted
+  mid-run continues from its last checkpoint when the sweep resumes.
+- A failed trial is recorded (Tune's ``max_failures=0``) and the sweep goes on; a resume finishes
+  unfinished trials and neither reruns finished ones nor retries failed ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from raytrain_mp.config import DDPConfig, to_yaml
+from raytrain_mp.data import read_meta
+from raytrain_mp.errors import UsageError
+from raytrain_mp.lr_sweep import PER_TRIAL, SWEEP_FILE, TRIAL_DRIVER_CPUS, concurrency, trial_config
+from raytrain_mp.sweep_report import TrialOutcome, table_rows, write_file, write_outputs
+
+
+def prepared(cfg: Any) -> Any:
+    """``cfg`` with data resolved and checked, local paths absolute (trials run in their own
+    folders) and the experiment named; needs no Ray."""
+    from raytrain_mp.ddp_trainer import with_checked_data
+
+    data = with_checked_data(dataclasses.replace(cfg.template(), global_batch_size=min(cfg.global_batch_sizes))).data
+    train_count = read_meta(data).counts["train"]
+    too_big = [b for b in cfg.global_batch_sizes if b > train_count]
+    if too_big:
+        raise UsageError(f"--global-batch-sizes: {too_big[0]} exceeds the {train_count} training samples")
+    cfg = dataclasses.replace(
+        cfg,
+        data=_absolute(data),
+        weights=_absolute(cfg.weights),
+        storage_path=_absolute(cfg.storage_path),
+        name=cfg.name or time.strftime("tune-%Y%m%d-%H%M%S"),
+    )
+    if cfg.resume is None and "://" not in cfg.storage_path and (Path(cfg.storage_path) / cfg.name).exists():
+        raise UsageError(
+            f"--name: {Path(cfg.storage_path) / cfg.name} exists; finish it with --resume {Path(cfg.storage_path) / cfg.name}, "
+            "or choose another --name"
+        )
+    return cfg
+
+
+def _absolute(path: str | None) -> str | None:
+    if path is None or "://" in path:
+        return path
+    return str(Path(path).expanduser().resolve())
+
+
+def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> None:
+    """The Tune trainable: fit the trial's DDP run, reporting every epoch to Tune."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from raytrain_mp.ddp_trainer import build_trainer
+
+    trial_id = tune.get_context().get_trial_id()
+    cfg = trial_config(template, {k: params[k] for k in PER_TRIAL}, name=f"train-{trial_id}", storage_path=experiment)
+    build_trainer(cfg, callbacks=[TuneReportCallback()]).fit()
+
+
+def run_sweep(cfg: Any) -> dict[str, Any]:
+    """Run (or, with ``cfg.resume``, finish) the sweep on the connected cluster; write its outputs
+    and return the summary. ``cfg`` must come from ``prepared``."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from raytrain_mp.cluster import cluster_totals, resolve_use_gpu
+    from raytrain_mp.ddp_trainer import with_cluster_settings
+
+    use_gpu = resolve_use_gpu(cfg.use_gpu)
+    max_concurrent = concurrency(cfg, *cluster_totals(), use_gpu)
+    template = dataclasses.replace(with_cluster_settings(cfg.template()), name=None)
+    experiment = cfg.resume or f"{cfg.storage_path.rstrip('/')}/{cfg.name}"
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, template=template, experiment=experiment), {"cpu": TRIAL_DRIVER_CPUS}
+    )
+    if cfg.resume:
+        tuner = tune.Tuner.restore(cfg.resume, trainable, resume_unfinished=True, resume_errored=False)
+    else:
+        # Tune keeps the concurrency it started with when it resumes; saving it lets the resume check it still fits.
+        saved = dataclasses.replace(cfg, resume=None, max_concurrent_trials=max_concurrent)
+        write_file(experiment, SWEEP_FILE, to_yaml(saved).encode())
+        scheduler = None
+        if cfg.scheduler == "asha":
+            # Rungs count epochs (reported by the loop), not Tune iterations, which restart with a resumed trial.
+            scheduler = ASHAScheduler(
+                time_attr="epoch", max_t=cfg.epochs, grace_period=cfg.grace_period, reduction_factor=cfg.reduction_factor
+            )
+        tuner = tune.Tuner(
+            trainable,
+            param_space={name: tune.grid_search(list(values)) for name, values in cfg.grid().items()},
+            tune_config=tune.TuneConfig(
+                metric=cfg.metric, mode=cfg.mode, scheduler=scheduler, max_concurrent_trials=max_concurrent
+            ),
+            run_config=tune.RunConfig(
+                name=cfg.name, storage_path=cfg.storage_path, failure_config=tune.FailureConfig(max_failures=0)
+            ),
+        )
+    results = tuner.fit()
+    rows = table_rows([_outcome(result) for result in results], template)
+    written = write_outputs(rows, template, cfg.metric, cfg.mode, experiment)
+    best = written.pop("best")
+    return {
+        "experiment": experiment,
+        **written,
+        "metric": cfg.metric,
+        "best": {k: best[k] for k in ("trial", *PER_TRIAL, "effective_lr", f"best_{cfg.metric}", "epochs_run")} if best else None,
+        "trials": len(rows),
+        "trials_by_status": dict(Counter(row["status"] for row in rows)),
+        "max_concurrent_trials": max_concurrent,
+    }
+
+
+def _outcome(result: Any) -> TrialOutcome:
+    """A Tune ``Result`` as the report's plain record."""
+    frame = result.metrics_dataframe
+    history = []
+    if frame is not None and "epoch" in frame:
+        columns = [c for c in ("epoch", "val_accuracy", "val_loss", "world_size") if c in frame]
+        history = frame[columns].dropna().astype(float).to_dict("records")
+    return TrialOutcome(
+        trial=Path(result.path).name,
+        params={k: result.config[k] for k in PER_TRIAL},
+        history=history,
+        error=str(result.error) if result.error else None,
+    )

@@ -1,0 +1,81 @@
+"""`raytrain-mp pipeline` end to end: bad inputs before any actor, a killed stage resumes exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_usage_error, run_cli, run_cli_json
+from raytrain_mp.models import build_model
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> str:
+    """160 train / 40 val 8x8 grey images: 5 steps of 32 per epoch."""
+    from raytrain_mp.data.prepare import write_dataset
+    from raytrain_mp.data.sources import make_synthetic_source
+
+    out = tmp_path_factory.mktemp("pipe") / "d"
+    write_dataset(make_synthetic_source(200, 8, 4, 1, 0.2, 11), out)
+    return str(out)
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--stages", "11"], ["--stages: 11 stages for 10 blocks"]),
+        (["--split-points", "layer9"], ["--split-points: 'layer9' names no block", "layer3.0"]),
+        (["--stages", "3", "--split-points", "layer3,layer2"], ["--split-points", "order"]),
+        (["--split-points", "layer2,layer3"], ["--split-points: 2 split point(s) make 3 stages, not --stages 2"]),
+        (["--microbatches", "0"], ["--microbatches: must be between 1 and --batch-size 32, got 0"]),
+        (["--microbatches", "33"], ["--microbatches: must be between 1 and --batch-size 32, got 33"]),
+        (["--stages", "4", "--schedule", "1f1b", "--microbatches", "3"], ["1F1B needs at least one micro-batch per stage", "--stages 4, got 3"]),
+        (["--precision", "fp16"], ["--precision", "invalid choice: 'fp16'"]),
+        (["--batch-size", "500"], ["--batch-size 500 exceeds the 160 training samples"]),
+    ],
+)
+def test_bad_inputs_before_any_actor(tiny_data, tmp_path, capsys, argv, fragments):
+    runs = tmp_path / "runs"
+    base = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--batch-size", "32", "--storage-path", str(runs)]
+    res = run_cli(capsys, *base, *argv)
+    assert_usage_error(res, *fragments)
+    assert not runs.exists()
+
+
+def test_more_stages_than_gpus(ray_session, tiny_data, tmp_path, capsys):
+    res = run_cli(capsys, "pipeline", "--data", tiny_data, "--model", "resnet18", "--batch-size", "32",
+                  "--use-gpu", "--storage-path", str(tmp_path / "runs"))  # fmt: skip
+    assert_usage_error(res, "--use-gpu", "GPU")
+
+
+@pytest.fixture(scope="module")
+def fp64_runs(ray_session, tiny_data, tmp_path_factory):
+    storage = str(tmp_path_factory.mktemp("pruns"))
+    marker = tmp_path_factory.mktemp("pfault") / "killed"
+    args = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--batch-size", "32",
+            "--microbatches", "3", "--schedule", "1f1b", "--epochs", "2", "--precision", "fp64",
+            "--balance", "params", "--storage-path", storage, "--log-every", "0"]  # fmt: skip
+    plain = run_cli_json(*args, "--name", "plain")
+    killed = run_cli_json(*args, "--name", "killed", "--max-failures", "1", "--inject-fault", f"1:1:{marker}")
+    return plain, killed, marker
+
+
+def test_killed_stage_resumes_from_checkpoint(fp64_runs):
+    plain, killed, marker = fp64_runs
+    assert marker.read_text() == "killed stage 1 after epoch 1\n"
+    assert killed["epochs"] == plain["epochs"] == 2
+    a = torch.load(plain["model"], weights_only=True)
+    b = torch.load(killed["model"], weights_only=True)
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a if a[k].numel()) < 1e-9
+
+
+def test_summary_and_model_pt(fp64_runs):
+    plain, _, _ = fp64_runs
+    for key in ("val_accuracy", "train_loss", "samples_per_second", "bubble_fraction"):
+        assert isinstance(plain[key], float) and plain[key] >= 0
+    assert (plain["num_stages"], plain["num_microbatches"], plain["schedule"]) == (2, 3, "1f1b")
+    assert plain["val_count"] == 40
+    assert [s["index"] for s in plain["stages"]] == [0, 1]
+    model = build_model("resnet18", 4, in_channels=1, small_stem=True)
+    model.load_state_dict(torch.load(plain["model"], weights_only=True), strict=True)
