@@ -36,7 +36,7 @@ def test_split_into_three() -> None:
         (["stem"], 2, "split_points: cutting before 'stem' would leave stage 0 empty"),
         (["layer2", "layer3"], 2, "split_points: 2 stages need 1 split point(s), got 2"),
         ([], 2, "split_points: 2 stages need 1 split point(s), got 0"),
-        (["layer1"] * 10, 11, "num_stages: 11 stages need at least 11 blocks; the model has 10"),
+        (["layer1"] * 10, 11, "num_stages: 11 stages for 10 blocks; each stage needs at least one block"),
         ([], 0, "num_stages: need at least 1 stage, got 0"),
     ],
 )
@@ -70,7 +70,7 @@ def test_balance_is_optimal_against_brute_force() -> None:
 def test_balance_errors() -> None:
     with pytest.raises(UsageError) as info:
         balance_bounds([1.0, 2.0], 3)
-    assert str(info.value) == "num_stages: 3 stages need at least 3 blocks; the model has 2"
+    assert str(info.value) == "num_stages: 3 stages for 2 blocks; each stage needs at least one block"
 
 
 def test_params_balance_of_resnet18() -> None:

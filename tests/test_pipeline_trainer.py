@@ -213,7 +213,7 @@ def test_bf16_step_then_failing_and_killed_stages_are_named(ray_session: object)
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_stages": 11}, "num_stages: 11 stages need at least 11 blocks; the model has 10"),
+        ({"num_stages": 11}, "num_stages: 11 stages for 10 blocks; each stage needs at least one block"),
         ({"split_points": ["layer9"]}, "split_points: 'layer9' names no block; blocks: stem, layer1.0, layer1.1, "
          "layer2.0, layer2.1, layer3.0, layer3.1, layer4.0, layer4.1, head"),
         ({"num_stages": 3, "split_points": ["layer4", "layer2"]},
@@ -232,7 +232,7 @@ def test_bf16_step_then_failing_and_killed_stages_are_named(ray_session: object)
          "num_microbatches: 4 micro-batches need a batch of at least 4 samples, got 3"),
         ({"transport": "tcp"}, "transport: unknown transport 'tcp'; accepted: object_store, nccl, gloo"),
         ({"cpus_per_stage": 0}, "cpus_per_stage: must be a whole number >= 1, got 0"),
-        ({"use_gpu": True}, "num_stages: 2 stages need 2 GPU (1 each); the Ray cluster has 0"),
+        ({"use_gpu": True}, "use_gpu: 2 stages need 2 GPU (1 each); the Ray cluster has 0"),
         ({"transport": "nccl", "use_gpu": False}, "transport: 'nccl' moves tensors between GPUs; it needs use_gpu"),
         ({"transport": "gloo", "use_gpu": True},
          "transport: 'gloo' moves CPU tensors; GPU stages use 'nccl' or 'object_store'"),
@@ -288,7 +288,7 @@ def test_placement_checks() -> None:
     )
     with pytest.raises(UsageError) as info:
         check_resources(nodes, 5, {"CPU": 1, "GPU": 1}, "SPREAD")
-    assert str(info.value) == "num_stages: 5 stages need 5 GPU (1 each); the Ray cluster has 4"
+    assert str(info.value) == "use_gpu: 5 stages need 5 GPU (1 each); the Ray cluster has 4"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

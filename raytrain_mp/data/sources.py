@@ -58,6 +58,16 @@ def _split(source: str, images, labels, class_names, val_fraction: float, seed: 
     )
 
 
+def _presplit(source: str, tr_x, tr_y, va_x, va_y, class_names: list[str]) -> RawDataset:
+    """A source that comes split already; ids count within each split."""
+    return RawDataset(
+        source,
+        RawSplit(tr_x, tr_y, np.arange(len(tr_y), dtype=np.int64)),
+        RawSplit(va_x, va_y, np.arange(len(va_y), dtype=np.int64)),
+        class_names,
+    )
+
+
 def load_digits_source(val_fraction: float = 0.2, seed: int = 0) -> RawDataset:
     """scikit-learn's bundled 1,797 8x8 digits, pixel values 0..16 stored as they are."""
     from sklearn.datasets import load_digits
@@ -131,12 +141,7 @@ def load_cifar10_source(path: str) -> RawDataset:
     for y in (tr_y, va_y):
         if y.size and (y.min() < 0 or y.max() >= len(names)):
             raise UsageError(f"cifar10: labels out of range in {path}; accepted: 0..{len(names) - 1}")
-    return RawDataset(
-        "cifar10",
-        RawSplit(tr_x, tr_y, np.arange(len(tr_y), dtype=np.int64)),
-        RawSplit(va_x, va_y, np.arange(len(va_y), dtype=np.int64)),
-        names,
-    )
+    return _presplit("cifar10", tr_x, tr_y, va_x, va_y, names)
 
 
 def _read_imagefolder(root: Path, image_size: int | None) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -185,12 +190,7 @@ def load_imagefolder_source(
         if va_names != names:
             raise UsageError(f"imagefolder: {root}/train and {root}/val have different class folders")
         if tr_x.shape[1:] != va_x.shape[1:]:
-            raise UsageError(f"imagefolder: train and val images differ in size; pass --image-size N")
-        return RawDataset(
-            "imagefolder",
-            RawSplit(tr_x, tr_y, np.arange(len(tr_y), dtype=np.int64)),
-            RawSplit(va_x, va_y, np.arange(len(va_y), dtype=np.int64)),
-            names,
-        )
+            raise UsageError("imagefolder: train and val images differ in size; pass --image-size N")
+        return _presplit("imagefolder", tr_x, tr_y, va_x, va_y, names)
     images, labels, names = _read_imagefolder(root, image_size)
     return _split("imagefolder", images, labels, names, val_fraction, seed)

@@ -48,7 +48,7 @@ def check_stage_count(num_blocks: int, num_stages: int) -> None:
         raise UsageError(f"num_stages: need at least 1 stage, got {num_stages}")
     if num_stages > num_blocks:
         raise UsageError(
-            f"num_stages: {num_stages} stages need at least {num_stages} blocks; the model has {num_blocks}"
+            f"num_stages: {num_stages} stages for {num_blocks} blocks; each stage needs at least one block"
         )
 
 

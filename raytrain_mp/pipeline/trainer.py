@@ -97,7 +97,7 @@ def check_resources(
     for resource, amount in bundle.items():
         have = sum(node.get(resource, 0) for node in nodes)
         if have < num_stages * amount:
-            option = "num_stages" if resource == "GPU" else "cpus_per_stage"
+            option = "use_gpu" if resource == "GPU" else "cpus_per_stage"
             raise UsageError(
                 f"{option}: {num_stages} stages need {num_stages * amount:g} {resource} "
                 f"({amount:g} each); the Ray cluster has {have:g}"
