@@ -12,6 +12,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from raytrain_mp.bench_ddp import BenchDDPConfig
+from raytrain_mp.bench_pipeline import BenchPipelineConfig
 from raytrain_mp.config import DDPConfig, PipelineConfig, PrepareConfig, add_arguments, build_config
 from raytrain_mp.errors import EXIT_USAGE, UsageError
 from raytrain_mp.lr_sweep import TuneConfig
@@ -88,7 +90,27 @@ def cmd_tune(args: argparse.Namespace) -> int:
     with ray_connection(cfg.address):
         result = run_sweep(cfg)
     emit(result, args.json, "learning-rate sweep finished")
-    return 0 if result["best"] else 1  # every trial failed: the table says why
+    return 0 if result["best"] else 1  # every trial failed, or the sweep was interrupted (its "resume" says how to go on)
+
+
+def cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    from raytrain_mp.bench_pipeline import run_bench_pipeline
+    from raytrain_mp.cluster import ray_connection
+
+    cfg = build_config(BenchPipelineConfig, args)
+    with ray_connection(cfg.address):
+        result = run_bench_pipeline(cfg)
+    emit(result, args.json, f"pipeline benchmark written to {cfg.out}")
+    return 0
+
+
+def cmd_bench_ddp(args: argparse.Namespace) -> int:
+    from raytrain_mp.bench_ddp import run_bench_ddp
+
+    cfg = build_config(BenchDDPConfig, args)
+    result = run_bench_ddp(cfg)  # starts Ray itself, after the torchrun runs
+    emit(result, args.json, f"ddp benchmark written to {cfg.out}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("tune", help="learning-rate sweep on Ray Tune, one DDP run per trial")
     add_arguments(sweep, TuneConfig)
     sweep.set_defaults(handler=cmd_tune)
+
+    bench = sub.add_parser("bench", help="side-by-side benchmarks: results.json and PNG plots")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=OneLineParser)
+    bench_pipe = bench_sub.add_parser("pipeline", help="one process vs model parallel vs pipelined schedules")
+    add_arguments(bench_pipe, BenchPipelineConfig)
+    bench_pipe.set_defaults(handler=cmd_bench_pipeline)
+    bench_ddp = bench_sub.add_parser("ddp", help="Ray Train DDP vs a bare torchrun loop, samples/s")
+    add_arguments(bench_ddp, BenchDDPConfig)
+    bench_ddp.set_defaults(handler=cmd_bench_ddp)
     return parser
 
 

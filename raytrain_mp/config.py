@@ -22,11 +22,11 @@ import yaml
 
 from raytrain_mp.errors import UsageError
 from raytrain_mp.models import MODEL_NAMES
+from raytrain_mp.optim import OPTIMIZERS
 
 C = TypeVar("C")
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
-OPTIMIZERS = ("sgd", "adamw")
 LR_RULES = ("linear", "sqrt", "none")
 LR_DECAYS = ("cosine", "step", "none")
 

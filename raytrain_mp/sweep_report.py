@@ -54,7 +54,7 @@ COLUMNS = pa.schema(
 
 @dataclass(frozen=True)
 class TrialOutcome:
-    """What one trial left: its point of the search space, its per-epoch metrics, its error."""
+    """What one finished trial left: its point of the search space, its per-epoch metrics, its error."""
 
     trial: str
     params: dict[str, Any]
@@ -94,7 +94,7 @@ def table_rows(outcomes: Sequence[TrialOutcome], template: DDPConfig) -> list[di
 
 
 def best_row(rows: Sequence[dict[str, Any]], metric: str, mode: str) -> dict[str, Any] | None:
-    """The trial with the best ``best_<metric>``; None when no trial reported one."""
+    """The trial with the best ``best_<metric>``, failed ones aside; None when there is none."""
     column = f"best_{metric}"
     scored = [r for r in rows if r["status"] != "error" and r[column] is not None and math.isfinite(r[column])]
     if not scored:

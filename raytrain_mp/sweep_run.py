@@ -14,15 +14,23 @@ callbacks, so every epoch's rank-0 metrics reach Tune (its scheduler and the res
   mid-run continues from its last checkpoint when the sweep resumes.
 - A failed trial is recorded (Tune's ``max_failures=0``) and the sweep goes on; a resume finishes
   unfinished trials and neither reruns finished ones nor retries failed ones.
+- A trial Tune stops (ASHA, Ctrl+C) leaves no resources behind: ``ReleaseStoppedWorkerGroups``
+  removes the placement group of every Train run whose controller died with its trial.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import ray
+from ray import tune
+from ray.core.generated import gcs_pb2
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from raytrain_mp.config import DDPConfig, to_yaml
 from raytrain_mp.data import read_meta
@@ -62,9 +70,49 @@ def _absolute(path: str | None) -> str | None:
     return str(Path(path).expanduser().resolve())
 
 
+class ReleaseStoppedWorkerGroups(tune.Callback):
+    """Remove the workers' placement group of each Train run whose controller died with its trial.
+
+    Tune stops a trial by ending its actor, and the Train controller that actor owns dies with it.
+    The workers' placement group lives as long as the job, so without this it would hold its CPUs
+    and GPUs for the rest of the sweep and later trials would wait forever for workers. Ray Train's
+    own cleaner asks the dashboard's state API, which a Ray started without the dashboard lacks and
+    which cannot tell several Ray instances on one machine apart; the GCS table can. Removed: the
+    non-detached groups of this job whose creating actor is dead (Tune's own trial groups are made
+    by the driver, not by an actor, and stay)."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s = every_s
+        self._last = 0.0
+
+    def on_step_end(self, iteration: int, trials: list, **info: Any) -> None:
+        if time.monotonic() - self._last >= self.every_s:
+            self._last = time.monotonic()
+            release_orphaned_placement_groups()
+
+
+def release_orphaned_placement_groups() -> int:
+    """Remove this job's non-detached placement groups whose creating actor is dead; return how many."""
+    job = ray.get_runtime_context().get_job_id()
+    nil_actor = ray.ActorID.nil().binary()
+    released = 0
+    # The public placement_group_table() drops the creator fields; the GCS accessor behind it has them.
+    for blob in ray._private.state.state._connect_and_get_accessor().get_placement_group_table():
+        group = gcs_pb2.PlacementGroupTableData.FromString(blob)
+        if (
+            group.creator_job_id.hex() == job
+            and group.creator_actor_id != nil_actor
+            and group.creator_actor_dead
+            and not group.is_detached
+            and group.state != gcs_pb2.PlacementGroupTableData.REMOVED
+        ):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(group.placement_group_id)))
+            released += 1
+    return released
+
+
 def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> None:
     """The Tune trainable: fit the trial's DDP run, reporting every epoch to Tune."""
-    from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from raytrain_mp.ddp_trainer import build_trainer
@@ -77,7 +125,6 @@ def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> N
 def run_sweep(cfg: Any) -> dict[str, Any]:
     """Run (or, with ``cfg.resume``, finish) the sweep on the connected cluster; write its outputs
     and return the summary. ``cfg`` must come from ``prepared``."""
-    from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
     from raytrain_mp.cluster import cluster_totals, resolve_use_gpu
@@ -109,10 +156,22 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
                 metric=cfg.metric, mode=cfg.mode, scheduler=scheduler, max_concurrent_trials=max_concurrent
             ),
             run_config=tune.RunConfig(
-                name=cfg.name, storage_path=cfg.storage_path, failure_config=tune.FailureConfig(max_failures=0)
+                name=cfg.name,
+                storage_path=cfg.storage_path,
+                failure_config=tune.FailureConfig(max_failures=0),
+                callbacks=[ReleaseStoppedWorkerGroups()],
             ),
         )
     results = tuner.fit()
+    unfinished = len(results) - results.num_terminated - results.num_errors
+    if unfinished:  # interrupted (Ctrl+C): the outputs describe finished sweeps only
+        return {
+            "experiment": experiment,
+            "trials": len(results),
+            "unfinished": unfinished,
+            "resume": f"raytrain-mp tune --resume {experiment}",
+            "best": None,
+        }
     rows = table_rows([_outcome(result) for result in results], template)
     written = write_outputs(rows, template, cfg.metric, cfg.mode, experiment)
     best = written.pop("best")
@@ -134,9 +193,13 @@ def _outcome(result: Any) -> TrialOutcome:
     if frame is not None and "epoch" in frame:
         columns = [c for c in ("epoch", "val_accuracy", "val_loss", "world_size") if c in frame]
         history = frame[columns].dropna().astype(float).to_dict("records")
+    # A trial that failed before its first report has no config in its result; params.json, written
+    # when the trial starts, has it for every trial.
+    with result.filesystem.open_input_stream(f"{result.path}/params.json") as f:
+        params = json.loads(f.read())
     return TrialOutcome(
         trial=Path(result.path).name,
-        params={k: result.config[k] for k in PER_TRIAL},
+        params={k: params[k] for k in PER_TRIAL},
         history=history,
         error=str(result.error) if result.error else None,
     )

@@ -35,22 +35,8 @@ from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.distributed_eval import ShardSampler, all_reduce_sum, evaluate
 from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.models import build_model, wants_small_stem
+from raytrain_mp.optim import build_optimizer
 from raytrain_mp.sync_batchnorm import convert_sync_batchnorm
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on conv and linear weights only; never on BatchNorm parameters or biases."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        (decay if p.ndim > 1 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def make_optimizer(cfg: DDPConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
-    return torch.optim.AdamW(groups, lr=lr)
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -107,7 +93,7 @@ def train_loop_per_worker(config: dict) -> None:
         cfg.base_lr, cfg.global_batch_size, cfg.base_batch, cfg.lr_rule, cfg.warmup_epochs,
         cfg.epochs, steps_per_epoch, cfg.lr_decay, cfg.step_epochs, cfg.gamma,
     )  # fmt: skip
-    optimizer = make_optimizer(cfg, ddp, schedule.peak_lr)
+    optimizer = build_optimizer(ddp.parameters(), cfg.optimizer, schedule.peak_lr, cfg.momentum, cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
 

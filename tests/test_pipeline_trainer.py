@@ -22,6 +22,7 @@ from torch import nn
 
 from raytrain_mp.errors import UsageError
 from raytrain_mp.models import build_model
+from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError, convert_deferred_batchnorm, split_batch
 from raytrain_mp.pipeline import trainer as trainer_module
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm
@@ -178,7 +179,7 @@ def test_deferred_bn_time_balance_adamw_and_clipping(ray_session: object) -> Non
         state = pipeline.state_dict()
 
     reference = convert_deferred_batchnorm(copy.deepcopy(model))
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=options["lr"], weight_decay=options["weight_decay"])
+    optimizer = build_optimizer(reference.parameters(), "adamw", options["lr"], 0.0, options["weight_decay"])
     want = [_accumulate(reference, optimizer, x, y, 3, clip=options["clip_grad_norm"]) for x, y in batches]
     assert losses == pytest.approx(want, rel=1e-10)
     _assert_state_close(state, reference.state_dict(), 1e-10)

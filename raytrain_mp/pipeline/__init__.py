@@ -17,7 +17,7 @@ from raytrain_mp.pipeline.partition import (
     split_bounds,
 )
 from raytrain_mp.pipeline.schedule import SCHEDULES, build_schedule, clock_ticks, gpipe, one_f_one_b
-from raytrain_mp.pipeline.stage import OPTIMIZERS
+from raytrain_mp.optim import OPTIMIZERS
 from raytrain_mp.pipeline.trainer import PLACEMENT_STRATEGIES, TRANSPORTS, PipelineTrainer, StageFailedError
 
 __all__ = [

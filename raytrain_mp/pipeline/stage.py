@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from raytrain_mp.errors import UsageError
+from raytrain_mp.optim import OPTIMIZERS, build_optimizer
 from raytrain_mp.pipeline.blocks import Block
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
 from raytrain_mp.pipeline.partition import profile_blocks
 
-OPTIMIZERS = ("sgd", "adamw")
 
 
 @dataclass(frozen=True)
@@ -76,14 +76,6 @@ def check_optimizer(name: str, lr: float, momentum: float, weight_decay: float) 
         raise UsageError(f"momentum: must be >= 0, got {momentum}")
     if weight_decay < 0:
         raise UsageError(f"weight_decay: must be >= 0, got {weight_decay}")
-
-
-def build_optimizer(params: Any, name: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
-    """SGD with (optional) momentum, or AdamW; the same choice a single-process run would make."""
-    check_optimizer(name, lr, momentum, weight_decay)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
 def configure_device(use_gpu: bool, num_cpus: int) -> torch.device:
@@ -130,6 +122,7 @@ class StageWorker:
             module = convert_deferred_batchnorm(module)
         self.module = module.to(self.device).train()
         self.dtype = next(self.module.parameters()).dtype
+        check_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay)
         self.optimizer = build_optimizer(
             self.module.parameters(), config.optimizer, config.lr, config.momentum, config.weight_decay
         )

@@ -1,0 +1,109 @@
+"""What every benchmark shares: timing steps, summarizing them, describing the machine, writing results.
+
+Job: keep the benchmarks' method identical, so their figures compare: a figure is the median of
+``steps`` timed calls after ``warmup`` untimed ones, reported with its min and max; the JSON holds
+the machine (CPU count, GPU names, torch and ray versions, load average) next to the figures.
+
+Invariants: ``summarize`` never sees an empty list (``timed`` refuses ``steps < 1``); results are
+written atomically (a half-written ``results.json`` never exists); plots use matplotlib's Agg
+backend, so no display is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raytrain_mp.config import check
+
+
+def check_timing(steps: int, warmup: int) -> None:
+    """The shared checks of ``--steps`` and ``--warmup`` (for a config's ``validate``)."""
+    check(steps >= 1, "steps", f"must be >= 1, got {steps}")
+    check(warmup >= 0, "warmup", f"must be >= 0, got {warmup}")
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of a non-empty series."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def timed(step: Callable[[], Any], warmup: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step``, after ``warmup`` calls that are not timed.
+
+    ``step`` must return only when its work is done (synchronize devices inside it)."""
+    if steps < 1:
+        raise ValueError(f"steps: need at least one timed step, got {steps}")
+    for _ in range(warmup):
+        step()
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def machine() -> dict[str, Any]:
+    """The machine a result was measured on; the load average says how busy it was at the time."""
+    import ray
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {
+        "cpu_count": os.cpu_count(),
+        "gpus": gpus,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "load_average_start": list(os.getloadavg()),
+    }
+
+
+def write_results(out: str | Path, results: dict[str, Any]) -> Path:
+    """Write ``results.json`` into ``out`` (created), stamping the load average at the end."""
+    folder = Path(out).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    results["machine"]["load_average_end"] = list(os.getloadavg())
+    path = folder / "results.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def bar_chart(
+    path: Path, labels: Sequence[str], figures: Sequence[dict[str, float]], ylabel: str, title: str
+) -> None:
+    """Bars of the medians with min-max whiskers, each bar labelled with its median."""
+    plt = pyplot()
+    medians = [f["median"] for f in figures]
+    whiskers = [[m - f["min"] for m, f in zip(medians, figures)], [f["max"] - m for m, f in zip(medians, figures)]]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(labels)), 4.5))
+    bars = ax.bar(range(len(labels)), medians, yerr=whiskers, capsize=6, color="#4C72B0")
+    ax.bar_label(bars, labels=[f"{m:.3g}" for m in medians], padding=3)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.margins(y=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,253 @@
+"""``raytrain-mp bench ddp``: our Ray Train DDP loop against a bare torchrun loop, same work.
+
+Job: measure steady-state training throughput (samples/s from the median step time after warm-up)
+and start-up time of the same DDP training step launched two ways, for each worker count of
+``--workers``: by Ray Train (``TorchTrainer``, what ``raytrain-mp ddp`` runs) and by torchrun
+(``bench_ddp_bare``, the shape of the seeds' minimal DDP script); plus one plain process with all
+the workers' threads as the reference. Writes ``results.json`` and a bar plot.
+
+Why a benchmark loop rather than ``train_loop.train_loop_per_worker``: that loop reads Parquet
+shards, evaluates and checkpoints every epoch, so its samples/s mixes data loading and I/O into
+the figure. ``measure_steps`` mirrors its training step exactly (seeded model, optional
+synchronized BatchNorm, DDP, the per-step all-reduce of the sample count, the sum loss scaled by
+world / global count, SGD with momentum and the same weight-decay groups) on in-memory batches,
+and both launchers run this one function, so the ratio ours/bare is the cost of the launcher and
+its runtime alone.
+
+Invariants:
+- Both sides see the same model, seed, per-worker batch, thread count and in-memory data.
+- The bare runs go first, before this command starts Ray, so Ray's idle daemons do not share the
+  CPUs with them (``ray_running_during_bare`` says whether Ray was already up, as in tests).
+- Start-up is the wall time from launching (``fit()`` / starting torchrun) to the first step;
+  throughput never includes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from raytrain_mp.bench_common import bar_chart, check_timing, machine, summarize, write_results
+from raytrain_mp.config import check, check_choice, check_writable, option
+from raytrain_mp.distributed_eval import all_reduce_sum
+from raytrain_mp.models import MODEL_NAMES, build_model, wants_small_stem
+from raytrain_mp.optim import build_optimizer
+from raytrain_mp.sync_batchnorm import convert_sync_batchnorm
+
+DISTINCT_BATCHES = 4  # in-memory batches each worker cycles through
+MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4  # raytrain-mp ddp's defaults
+
+
+@dataclasses.dataclass
+class BenchDDPConfig:
+    out: str = option("", "folder for results.json and the plot")
+    model: str = option("resnet18", "model architecture", MODEL_NAMES)
+    image_size: int = option(32, "side of the random square input images in pixels")
+    batch_size: int = option(32, "samples per worker per step")
+    num_classes: int = option(10, "classes of the random labels")
+    workers: tuple[int, ...] = option((1, 2), "worker counts to measure (DDP ranks)")
+    threads: int = option(1, "torch threads per worker (Ray: CPUs per worker)")
+    sync_bn: bool = option(False, "synchronized BatchNorm (as raytrain-mp ddp) on both sides; off: plain BatchNorm")
+    bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MiB (torch's default 25)")
+    steps: int = option(40, "timed steps per figure")
+    warmup: int = option(10, "untimed steps before them")
+    lr: float = option(0.01, "SGD learning rate")
+    seed: int = option(0, "seed of the model and the random data")
+    address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
+    json: bool = False
+
+    def validate(self) -> None:
+        check_choice(self, "model")
+        check(bool(self.out), "out", "an output folder is required")
+        check_writable("out", self.out)
+        check(self.image_size >= 8, "image_size", f"must be >= 8, got {self.image_size}")
+        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        check(self.num_classes >= 2, "num_classes", f"must be >= 2, got {self.num_classes}")
+        check(len(self.workers) >= 1 and min(self.workers) >= 1, "workers", f"each count must be >= 1, got {list(self.workers)}")
+        check(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
+        check(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
+        check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        check_timing(self.steps, self.warmup)
+
+    def settings(self) -> dict[str, Any]:
+        """What a worker needs (plain values: it travels as JSON to torchrun and to Ray workers)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("out", "address", "json", "workers")}
+
+
+def measure_steps(settings: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, float]:
+    """Run warm-up and timed DDP steps (plain steps without a process group); rank's figures.
+
+    Returns plain numbers (Ray Train's report wants them): the median, min and max step seconds and
+    ``first_step_at``, the wall-clock time (``time.time()``) at which the first step started."""
+    torch.set_num_threads(settings["threads"])  # Ray and torchrun set OMP_NUM_THREADS; torch's pool is ours
+    size, batch = settings["image_size"], settings["batch_size"]
+    torch.manual_seed(settings["seed"])
+    model: nn.Module = build_model(settings["model"], settings["num_classes"], 3, wants_small_stem(size))
+    distributed = dist.is_available() and dist.is_initialized()
+    if settings["sync_bn"] and world > 1:
+        model = convert_sync_batchnorm(model, device=device)
+    model.to(device)
+    if distributed:
+        ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=settings["bucket_cap_mb"])
+    optimizer = build_optimizer(model.parameters(), "sgd", settings["lr"], MOMENTUM, WEIGHT_DECAY)
+    data = torch.Generator().manual_seed(settings["seed"] * 1000 + rank)
+    batches = [
+        (torch.randn(batch, 3, size, size, generator=data), torch.randint(settings["num_classes"], (batch,), generator=data))
+        for _ in range(DISTINCT_BATCHES)
+    ]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        # train_loop's step: the global sample count is all-reduced, the loss is a sum scaled by
+        # world / count because DDP averages gradients over ranks.
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        (count,) = all_reduce_sum([float(len(y))], device)
+        loss = nn.functional.cross_entropy(model(x), y, reduction="sum")
+        (loss * (world / count)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    first_step_at = time.time()
+    seconds = []
+    for i in range(settings["warmup"] + settings["steps"]):
+        start = time.perf_counter()
+        step(*batches[i % DISTINCT_BATCHES])
+        if i >= settings["warmup"]:
+            seconds.append(time.perf_counter() - start)
+    return {**{f"step_{k}": v for k, v in summarize(seconds).items()}, "first_step_at": first_step_at}
+
+
+def throughput(figures: dict[str, float], samples_per_step: int) -> dict[str, Any]:
+    """samples/s from step seconds: median from the median step, min from the slowest, max from the fastest."""
+    return {
+        "step_seconds": {"median": figures["step_median"], "min": figures["step_min"], "max": figures["step_max"]},
+        "samples_per_second": {
+            "median": samples_per_step / figures["step_median"],
+            "min": samples_per_step / figures["step_max"],
+            "max": samples_per_step / figures["step_min"],
+        },
+    }
+
+
+def one_process(cfg: BenchDDPConfig, threads: int) -> dict[str, Any]:
+    """The reference: one plain process (no DDP) with ``threads`` threads, the same per-step batch."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    previous = torch.get_num_threads()
+    try:
+        figures = measure_steps({**cfg.settings(), "threads": threads}, 0, 1, device)
+    finally:
+        torch.set_num_threads(previous)
+    return {"threads": threads, **throughput(figures, cfg.batch_size)}
+
+
+def bare(cfg: BenchDDPConfig, workers: int) -> dict[str, Any]:
+    """``workers`` ranks of ``bench_ddp_bare`` under torchrun."""
+    with tempfile.TemporaryDirectory(prefix="bench-ddp-") as tmp:
+        result = Path(tmp) / "rank0.json"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
+            "-m", "raytrain_mp.bench_ddp_bare", "--settings", json.dumps(cfg.settings()), "--result", str(result),
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
+        launched = time.time()
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"torchrun with {workers} workers failed ({done.returncode}): {done.stderr[-2000:]}")
+        figures = json.loads(result.read_text())
+    return {"workers": workers, "startup_seconds": figures["first_step_at"] - launched, **throughput(figures, workers * cfg.batch_size)}
+
+
+def ray_worker(settings: dict[str, Any]) -> None:
+    """The Ray Train worker: the same steps, reported once (every rank reports; rank 0's is kept)."""
+    import ray.train
+    import ray.train.torch
+
+    ctx = ray.train.get_context()
+    ray.train.report(measure_steps(settings, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device()))
+
+
+def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:
+    """``workers`` Ray Train workers, configured as ``ddp_trainer.build_trainer`` configures them."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain_mp.cluster import check_fits
+
+    use_gpu = torch.cuda.is_available()
+    check_fits("--workers", workers, cfg.threads, 1 if use_gpu else 0)
+    trainer = TorchTrainer(
+        ray_worker,
+        train_loop_config=cfg.settings(),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": cfg.threads, **({"GPU": 1} if use_gpu else {})}
+        ),
+        run_config=RunConfig(name=f"bench-ddp-{workers}-{time.strftime('%H%M%S')}", storage_path=storage),
+    )
+    launched = time.time()
+    figures = trainer.fit().metrics
+    return {"workers": workers, "startup_seconds": figures["first_step_at"] - launched, **throughput(figures, workers * cfg.batch_size)}
+
+
+def data_parallel_skipped() -> str | None:
+    """Why ``nn.DataParallel`` is not measured here, or None when it could be."""
+    if torch.cuda.device_count() < 2:
+        return f"nn.DataParallel needs at least 2 CUDA GPUs; this machine has {torch.cuda.device_count()}"
+    return "nn.DataParallel on CUDA is not implemented by this version of the benchmark"
+
+
+def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
+    """Bare runs, then (starting Ray unless connected) Ray Train runs; write results.json and the plot."""
+    import ray
+
+    from raytrain_mp.cluster import ray_connection
+
+    started = time.perf_counter()
+    host = machine()
+    ray_was_running = ray.is_initialized()
+    reference = one_process(cfg, cfg.threads * max(cfg.workers))
+    bare_runs = [bare(cfg, w) for w in cfg.workers]
+    with ray_connection(cfg.address), tempfile.TemporaryDirectory(prefix="bench-ddp-ray-") as storage:
+        ray_runs = [ours(cfg, w, storage) for w in cfg.workers]
+    ratios = {
+        str(b["workers"]): r["samples_per_second"]["median"] / b["samples_per_second"]["median"]
+        for b, r in zip(bare_runs, ray_runs)
+    }
+    out = Path(cfg.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    plot = out / "throughput_bars.png"
+    labels = [f"one process\n{reference['threads']} threads"]
+    figures = [reference["samples_per_second"]]
+    for b, r in zip(bare_runs, ray_runs):
+        labels += [f"torchrun\n{b['workers']} worker(s)", f"Ray Train\n{r['workers']} worker(s)"]
+        figures += [b["samples_per_second"], r["samples_per_second"]]
+    title = f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.batch_size}/worker, {cfg.threads} thread(s)/worker"
+    bar_chart(plot, labels, figures, "training samples per second", title)
+    results = {
+        "benchmark": "ddp",
+        "machine": host,
+        "settings": {**cfg.settings(), "workers": list(cfg.workers)},
+        "ray_running_during_bare": ray_was_running,
+        "one_process": reference,
+        "bare_torchrun": bare_runs,
+        "ray_train": ray_runs,
+        "ours_over_bare": ratios,
+        "not_measured": {"data_parallel": data_parallel_skipped()},
+        "elapsed_seconds": time.perf_counter() - started,
+    }
+    path = write_results(out, results)
+    return {"results": str(path), "plots": [str(plot)], "ours_over_bare": ratios}

@@ -1,0 +1,348 @@
+"""``raytrain-mp bench pipeline``: one process vs naive model parallel vs our pipelined schedules.
+
+Job: time one training step (forward, backward, SGD step) of the same model on the same random
+in-memory batch in each of these ways, and write ``results.json`` plus two plots:
+
+- one process with ``--threads`` torch threads, the whole batch at once;
+- the same process with gradient accumulation over m micro-batches: on a CPU a smaller
+  micro-batch is itself faster per sample (caches), so this separates that gain from the gain of
+  overlapping stages;
+- ``PipelineTrainer`` with the seeds' fixed split (``--split-points``, default before ``layer3``)
+  and with time-balanced stages, each for GPipe and 1F1B over every m of ``--microbatches``;
+  GPipe with m=1 is naive model parallelism (the seeds' ``ModelParallelResNet50``).
+
+Invariants:
+- Every step time is the median of ``--steps`` timed steps after ``--warmup`` untimed ones, with
+  min and max (``bench_common``); every variant starts from the same seeded model and batch.
+- A layout's stages start once and the sweep changes only the schedule and m
+  (``PipelineTrainer.set_schedule``), so actor start-up and profiling are never timed.
+- The measured bubble fraction (``PipelineTrainer.stats``) sits next to GPipe's formula
+  (p-1)/(m+p-1); peak activation memory per stage is the largest number of micro-batches a stage
+  holds under the schedule times the bytes autograd saves for one micro-batch in that stage
+  (measured with ``saved_tensors_hooks`` in the driver, parameters excluded).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from raytrain_mp.bench_common import bar_chart, check_timing, machine, pyplot, summarize, timed, write_results
+from raytrain_mp.config import check, check_choice, check_writable, option
+from raytrain_mp.models import MODEL_NAMES, build_model, wants_small_stem
+from raytrain_mp.optim import build_optimizer
+from raytrain_mp.pipeline import PipelineTrainer, StageModule, build_schedule, flatten_model, split_batch
+from raytrain_mp.pipeline.schedule import FORWARD
+
+LR = 0.01  # small enough that random labels never blow the weights up (NaNs would change the timing)
+MOMENTUM = 0.9
+SEEDS_SPLIT = ("layer3",)
+
+
+@dataclasses.dataclass
+class BenchPipelineConfig:
+    out: str = option("", "folder for results.json and the plots")
+    model: str = option("resnet50", "model architecture", MODEL_NAMES)
+    image_size: int = option(128, "side of the random square input images in pixels")
+    batch_size: int = option(64, "samples per training step")
+    num_classes: int = option(1000, "classes of the random labels (the seeds' ResNet-50 has 1000)")
+    stages: int = option(2, "pipeline stages, one Ray actor each")
+    cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
+    threads: int = option(2, "torch threads of the one-process baseline (default: the stages' CPUs together)")
+    microbatches: tuple[int, ...] = option((1, 2, 4, 8, 16), "micro-batch counts m to sweep (m=1 is always run)")
+    split_points: tuple[str, ...] = option(SEEDS_SPLIT, "the fixed split: cut before these modules (the seeds' split)")
+    balanced: bool = option(True, "also run time-balanced stages")
+    balance_microbatches: int = option(4, "balanced stages are profiled on a micro-batch of batch-size / this")
+    steps: int = option(3, "timed steps per figure")
+    warmup: int = option(1, "untimed steps before each figure")
+    seed: int = option(0, "seed of the model and the random batch")
+    address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
+    json: bool = False
+
+    def validate(self) -> None:
+        check_choice(self, "model")
+        check(bool(self.out), "out", "an output folder is required")
+        check_writable("out", self.out)
+        check(self.image_size >= 8, "image_size", f"must be >= 8, got {self.image_size}")
+        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        check(self.num_classes >= 2, "num_classes", f"must be >= 2, got {self.num_classes}")
+        check(self.stages >= 2, "stages", f"a pipeline needs at least 2 stages, got {self.stages}")
+        check(self.cpus_per_stage >= 1, "cpus_per_stage", f"must be >= 1, got {self.cpus_per_stage}")
+        check(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
+        check(len(self.microbatches) >= 1, "microbatches", "give at least one m, e.g. 1,2,4,8,16")
+        bad = [m for m in self.microbatches if not 1 <= m <= self.batch_size]
+        check(not bad, "microbatches", f"each m must be between 1 and --batch-size {self.batch_size}, got {bad}")
+        check(
+            len(self.split_points) == self.stages - 1,
+            "split_points",
+            f"{len(self.split_points)} split point(s) make {len(self.split_points) + 1} stages, not --stages {self.stages}",
+        )
+        check(
+            1 <= self.balance_microbatches <= self.batch_size,
+            "balance_microbatches",
+            f"must be between 1 and --batch-size {self.batch_size}, got {self.balance_microbatches}",
+        )
+        check_timing(self.steps, self.warmup)
+
+    @property
+    def sweep(self) -> list[int]:
+        """The m values run: the requested ones and always m=1 (naive model parallel)."""
+        return sorted(set(self.microbatches) | {1})
+
+
+def gpipe_bubble(num_stages: int, num_microbatches: int) -> float:
+    """GPipe's idle share when every op costs the same: (p-1)/(m+p-1)."""
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def max_in_flight(schedule: str, num_stages: int, num_microbatches: int) -> list[int]:
+    """Per stage, the most micro-batches whose forward ran and whose backward has not."""
+    peaks = []
+    for ops in build_schedule(schedule, num_stages, num_microbatches):
+        held = peak = 0
+        for kind, _ in ops:
+            held += 1 if kind == FORWARD else -1
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def saved_activation_bytes(stages: Sequence[nn.Module], x: Tensor, y: Tensor) -> list[int]:
+    """Bytes autograd keeps for backward in each stage after one forward of ``x`` (the loss on the
+    last stage), counting each storage once and no parameter."""
+    params = {p.untyped_storage().data_ptr() for stage in stages for p in stage.parameters()}
+    per_stage = []
+    h = x
+    for index, stage in enumerate(stages):
+        saved: dict[int, int] = {}
+
+        def pack(t: Tensor) -> Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        inp = h.detach().requires_grad_(index > 0)  # later stages receive a leaf that needs a gradient
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = stage(inp)
+            if index == len(stages) - 1:
+                F.cross_entropy(out, y, reduction="sum")
+        per_stage.append(sum(saved.values()))
+        h = out.detach()
+    return per_stage
+
+
+def stage_modules(model: nn.Module, stage_blocks: Sequence[Sequence[str]]) -> list[StageModule]:
+    """The stages a plan describes (block names per stage), sharing ``model``'s modules."""
+    by_name = {block.name: block for block in flatten_model(model)}
+    return [StageModule(model, [by_name[name] for name in names]) for names in stage_blocks]
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer every variant uses (the pipeline stages build the same one)."""
+    return build_optimizer(model.parameters(), "sgd", LR, MOMENTUM, 0.0)
+
+
+def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, m: int) -> None:
+    """One optimizer step over the batch as m micro-batches, each loss weighted by its share: the
+    computation a pipelined step distributes over the stages (m=1: the plain full-batch step)."""
+    for mb in split_batch(x, y, m):
+        (F.cross_entropy(model(mb.inputs), mb.targets, reduction="sum") / len(x)).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+
+
+def one_process(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Any]:
+    """Step times of one process: the whole batch, and gradient accumulation over each m > 1."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        model = copy.deepcopy(model).to(device).train()
+        optimizer = sgd(model)
+        x, y = x.to(device), y.to(device)
+        figures = {}
+        for m in cfg.sweep:
+            seconds = timed(lambda: accumulation_step(model, optimizer, x, y, m), cfg.warmup, cfg.steps)
+            figures[m] = {"microbatches": m, "step_seconds": summarize(seconds)}
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "device": str(device),
+        "threads": cfg.threads,
+        "whole_batch": figures[1],
+        "grad_accum": [figures[m] for m in cfg.sweep if m > 1],
+    }
+
+
+def pipeline_run(cfg: BenchPipelineConfig, trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, m: int) -> dict[str, Any]:
+    """Step time, busy time per stage and bubble fraction of one (schedule, m) on running stages."""
+    trainer.set_schedule(schedule, m)
+    trainer.stats(reset=True)
+    per_step: list[dict[str, Any]] = []
+
+    def step() -> None:
+        trainer.train_step(x, y)
+        per_step.append(trainer.stats(reset=True))
+
+    seconds = timed(step, cfg.warmup, cfg.steps)
+    measured = per_step[cfg.warmup:]
+    return {
+        "schedule": schedule,
+        "microbatches": m,
+        "step_seconds": summarize(seconds),
+        "busy_seconds": [summarize([s["busy_seconds"][i] for s in measured]) for i in range(cfg.stages)],
+        "bubble_fraction": summarize([s["bubble_fraction"] for s in measured]),
+        "bubble_formula": gpipe_bubble(cfg.stages, m),
+    }
+
+
+def layout_runs(
+    cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor, split_points: Sequence[str] | None
+) -> dict[str, Any]:
+    """Every (schedule, m) on one partition: the given split points, or time-balanced stages."""
+    partition: dict[str, Any] = (
+        {"split_points": list(split_points)}
+        if split_points is not None
+        else {"balance": "time", "sample_input": x, "num_microbatches": cfg.balance_microbatches}
+    )
+    with PipelineTrainer(
+        model, cfg.stages, lr=LR, momentum=MOMENTUM, cpus_per_stage=cfg.cpus_per_stage, **partition
+    ) as trainer:
+        plan = [dataclasses.asdict(stage) for stage in trainer.plan]
+        runs = [
+            pipeline_run(cfg, trainer, x, y, schedule, m)
+            for schedule in ("gpipe", "1f1b")
+            for m in cfg.sweep
+            if schedule == "gpipe" or m >= cfg.stages  # 1F1B needs a micro-batch per stage
+        ]
+    # Activation memory is measured after the timed runs, so it never competes with them for CPUs.
+    stages = stage_modules(model, [stage["blocks"] for stage in plan])
+    for run in runs:
+        first = split_batch(x, y, run["microbatches"])[0]
+        per_microbatch = saved_activation_bytes(stages, first.inputs, first.targets)
+        held = max_in_flight(run["schedule"], cfg.stages, run["microbatches"])
+        run["peak_activation_bytes"] = [count * size for count, size in zip(held, per_microbatch)]
+        run["samples_per_second"] = cfg.batch_size / run["step_seconds"]["median"]
+    return {"plan": plan, "runs": runs}
+
+
+def find_run(layout: dict[str, Any], schedule: str, m: int) -> dict[str, Any] | None:
+    return next((r for r in layout["runs"] if r["schedule"] == schedule and r["microbatches"] == m), None)
+
+
+def best_run(layouts: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """(layout name, run) of the fastest pipelined run (m >= 2) of all layouts; the fastest run of
+    all when only m=1 was swept."""
+    runs = [(name, run) for name, layout in layouts.items() for run in layout["runs"]]
+    pipelined = [(name, run) for name, run in runs if run["microbatches"] > 1] or runs
+    return min(pipelined, key=lambda item: item[1]["step_seconds"]["median"])
+
+
+def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The headline ratios of issue 6's goals (higher is better for every ``*_speedup``)."""
+    naive = find_run(layouts["fixed"], "gpipe", 1)["step_seconds"]["median"]
+    whole = local["whole_batch"]["step_seconds"]["median"]
+    name, best = best_run(layouts)
+    result: dict[str, Any] = {
+        "one_process_seconds": whole,
+        "naive_model_parallel_seconds": naive,
+        "best_pipelined": {"layout": name, "schedule": best["schedule"], "microbatches": best["microbatches"]},
+        "best_pipelined_seconds": best["step_seconds"]["median"],
+        "best_vs_naive_speedup": naive / best["step_seconds"]["median"],
+        "best_vs_one_process_speedup": whole / best["step_seconds"]["median"],
+    }
+    if "balanced" in layouts:
+        fixed_best = min(r["step_seconds"]["median"] for r in layouts["fixed"]["runs"])
+        balanced_best = min(r["step_seconds"]["median"] for r in layouts["balanced"]["runs"])
+        result["balanced_vs_fixed_speedup"] = fixed_best / balanced_best
+        at8 = find_run(layouts["balanced"], "gpipe", 8)
+        if at8 is not None:
+            result["balanced_gpipe_m8_bubble_gap"] = abs(at8["bubble_fraction"]["median"] - at8["bubble_formula"])
+    return result
+
+
+def plot_bars(path: Path, local: dict[str, Any], layouts: dict[str, dict[str, Any]], best: tuple[str, dict[str, Any]]) -> None:
+    """One process / model parallel / pipelined, as the seeds' mp_vs_rn_vs_pp.png."""
+    labels = [f"one process\n{local['threads']} threads"]
+    figures = [local["whole_batch"]["step_seconds"]]
+    if local["grad_accum"]:
+        accum = min(local["grad_accum"], key=lambda f: f["step_seconds"]["median"])
+        labels.append(f"one process\ngrad accum m={accum['microbatches']}")
+        figures.append(accum["step_seconds"])
+    for name, layout in layouts.items():
+        labels.append(f"model parallel\n{name} split, m=1")
+        figures.append(find_run(layout, "gpipe", 1)["step_seconds"])
+    name, run = best
+    labels.append(f"pipelined (best)\n{name} {run['schedule']} m={run['microbatches']}")
+    figures.append(run["step_seconds"])
+    bar_chart(path, labels, figures, "seconds per training step", "Step time, median of timed steps (whiskers: min-max)")
+
+
+def plot_m_curve(path: Path, cfg: BenchPipelineConfig, local: dict[str, Any], layouts: dict[str, dict[str, Any]]) -> None:
+    """Step time against m for every variant: the seeds' split-size curve."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    curves = {"one process, grad accum": [local["whole_batch"], *local["grad_accum"]]}
+    for name, layout in layouts.items():
+        for schedule in ("gpipe", "1f1b"):
+            curves[f"{schedule}, {name} split"] = [r for r in layout["runs"] if r["schedule"] == schedule]
+    for label, runs in curves.items():
+        ms = [r["microbatches"] for r in runs]
+        med = [r["step_seconds"]["median"] for r in runs]
+        err = [[m - r["step_seconds"]["min"] for m, r in zip(med, runs)], [r["step_seconds"]["max"] - m for m, r in zip(med, runs)]]
+        ax.errorbar(ms, med, yerr=err, marker="o", capsize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cfg.sweep, [str(m) for m in cfg.sweep])
+    ax.set_xlabel("micro-batches per step (m)")
+    ax.set_ylabel("seconds per training step")
+    ax.set_title(f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.batch_size}, {cfg.stages} stages", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
+    """Measure every variant on the connected Ray cluster; write results.json and the plots."""
+    started = time.perf_counter()
+    host = machine()
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.num_classes, small_stem=wants_small_stem(cfg.image_size))
+    x = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
+    y = torch.randint(cfg.num_classes, (cfg.batch_size,))
+
+    local = one_process(cfg, model, x, y)
+    layouts = {"fixed": layout_runs(cfg, model, x, y, cfg.split_points)}
+    if cfg.balanced:
+        layouts["balanced"] = layout_runs(cfg, model, x, y, None)
+
+    out = Path(cfg.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    plot_bars(out / "step_time_bars.png", local, layouts, best_run(layouts))
+    plot_m_curve(out / "m_curve.png", cfg, local, layouts)
+    results = {
+        "benchmark": "pipeline",
+        "machine": host,
+        "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", "address", "out")},
+        "one_process": local,
+        "layouts": layouts,
+        "summary": summary(local, layouts),
+        "not_measured": {
+            "native_pipelining": "torch.distributed.pipelining (PipelineStage + ScheduleGPipe/Schedule1F1B "
+            "under torchrun) is not run by this version; DESIGN.md quotes its figures on this machine",
+        },
+        "elapsed_seconds": time.perf_counter() - started,
+    }
+    path = write_results(out, results)
+    return {"results": str(path), "plots": [str(out / "step_time_bars.png"), str(out / "m_curve.png")], **results["summary"]}

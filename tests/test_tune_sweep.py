@@ -1,0 +1,208 @@
+"""`raytrain-mp tune` on a real Ray: cluster-sized bad inputs, and one small sweep on digits that is
+interrupted, resumed, and then checked end to end (table, plot, best YAML that `ddp` runs).
+
+One sweep serves the sweep and the resume tests, since every trial costs a Ray Train start-up
+(~20 s on 2 cores): 2 global batches x 3 base lrs, 2 epochs, ASHA, 1 worker per trial, on a
+512-sample slice of digits. Tune is interrupted (SIGUSR1, which it treats as Ctrl+C) once two
+trials are done, then the sweep is resumed from its folder. A one-trial sweep whose trial crashes
+(``--inject-fault``) shows a failure recorded in the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from helpers import assert_usage_error, run_cli, run_cli_json
+from raytrain_mp.cli import main
+from raytrain_mp.config import DDPConfig, build_config
+from raytrain_mp.lr_schedule import scaled_lr
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+BATCHES, LRS, EPOCHS = (64, 128), (0.05, 0.2, 0.8), 2
+
+
+@pytest.fixture(scope="module")
+def small_digits(tmp_path_factory) -> str:
+    """Digits cut to 512 train / 200 val samples: an epoch is 8 or 4 steps."""
+    from raytrain_mp.data.prepare import write_dataset
+    from raytrain_mp.data.sources import RawSplit, load_digits_source
+
+    raw = load_digits_source()
+
+    def cut(split: RawSplit, n: int) -> RawSplit:
+        return RawSplit(split.images[:n], split.labels[:n], split.ids[:n])
+
+    out = tmp_path_factory.mktemp("digits") / "small"
+    write_dataset(dataclasses.replace(raw, train=cut(raw.train, 512), val=cut(raw.val, 200)), out)
+    return str(out)
+
+
+def run_cli_result(*argv: str) -> tuple[int, dict]:
+    """Exit code and last JSON line of a command run in-process (Ray's log lines share stdout)."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = main([*argv, "--json"])
+    lines = [line for line in buffer.getvalue().splitlines() if line.startswith("{")]
+    assert lines, buffer.getvalue()[-3000:]
+    return code, json.loads(lines[-1])
+
+
+def done_trials(experiment: Path) -> set[str]:
+    """Trial folders whose last result Tune marked done (finished or stopped by ASHA)."""
+    done = set()
+    for result in experiment.glob("run_trial_*/result.json"):
+        lines = result.read_text().splitlines()
+        if lines and json.loads(lines[-1]).get("done"):
+            done.add(result.parent.name)
+    return done
+
+
+def interrupt_when(condition, timeout_s: float = 600) -> threading.Thread:
+    """Send SIGUSR1 to this process (Tune's handler ends the run gracefully) once ``condition()``."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if condition():
+                os.kill(os.getpid(), signal.SIGUSR1)
+                return
+            time.sleep(0.5)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def sweep(small_digits, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("sweeps")
+    experiment = storage / "lr"
+    argv = [
+        "tune", "--data", small_digits, "--global-batch-sizes", ",".join(map(str, BATCHES)),
+        "--base-lrs", ",".join(map(str, LRS)), "--epochs", str(EPOCHS), "--scheduler", "asha",
+        "--num-workers", "1", "--storage-path", str(storage), "--name", "lr", "--log-every", "0",
+        "--seed", "1",
+    ]  # fmt: skip
+    # If Tune finished before the signal, this no-op absorbs it (and the resume test fails) instead
+    # of SIGUSR1's default action ending the test session.
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    try:
+        watcher = interrupt_when(lambda: len(done_trials(experiment)) >= 2)
+        code, interrupted = run_cli_result(*argv)
+        watcher.join(timeout=1)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    finished_before = {
+        p.parent.name: (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in experiment.glob("run_trial_*/result.json")
+        if p.parent.name in done_trials(experiment)
+    }
+    resumed = run_cli_json("tune", "--resume", str(experiment))
+    return {
+        "code": code,
+        "interrupted": interrupted,
+        "finished_before": finished_before,
+        "resumed": resumed,
+        "rows": pq.read_table(resumed["table_parquet"]).to_pylist(),
+        "experiment": experiment,
+        "storage": storage,
+    }
+
+
+def test_interrupted_sweep_says_how_to_resume(sweep):
+    interrupted = sweep["interrupted"]
+    assert sweep["code"] == 1
+    assert interrupted["resume"] == f"raytrain-mp tune --resume {sweep['experiment']}"
+    assert interrupted["trials"] == 6 and interrupted["unfinished"] >= 1 and interrupted["best"] is None
+    assert (sweep["experiment"] / "sweep.yaml").is_file()
+    assert "table_csv" not in interrupted  # the outputs describe finished sweeps
+
+
+def test_resume_finishes_without_rerunning_finished_trials(sweep):
+    rows = {r["trial"]: r for r in sweep["rows"]}
+    assert len(rows) == 6 and "unfinished" not in sweep["resumed"]
+    assert len(sweep["finished_before"]) >= 2
+    for trial, (content, mtime) in sweep["finished_before"].items():
+        result = sweep["experiment"] / trial / "result.json"
+        assert result.read_bytes() == content and result.stat().st_mtime_ns == mtime  # not rerun
+        assert rows[trial]["status"] in ("completed", "stopped")
+    assert set(rows) >= set(sweep["finished_before"])
+
+
+def test_sweep_table(sweep):
+    rows = sweep["rows"]
+    assert sorted((r["global_batch_size"], r["base_lr"]) for r in rows) == sorted((b, lr) for b in BATCHES for lr in LRS)
+    for r in rows:
+        assert r["effective_lr"] == scaled_lr(r["base_lr"], r["global_batch_size"], 256, "linear")
+        assert r["world_size"] == 1 and r["lr_rule"] == "linear" and r["optimizer"] == "sgd"
+        assert r["status"] in ("completed", "stopped") and r["error"] is None
+        assert 1 <= r["epochs_run"] <= EPOCHS
+        assert (r["epochs_run"] == EPOCHS) == (r["status"] == "completed")
+        assert 0 <= r["best_val_accuracy"] <= 1 and r["best_val_accuracy"] >= r["final_val_accuracy"]
+    # ASHA lets the first trial at each rung through, so some trial always runs every epoch.
+    assert any(r["status"] == "completed" for r in rows)
+    assert sum(sweep["resumed"]["trials_by_status"].values()) == 6
+    csv_lines = Path(sweep["resumed"]["table_csv"]).read_text().splitlines()
+    assert len(csv_lines) == 7 and csv_lines[0].startswith('"trial","base_lr","global_batch_size"')
+
+
+def test_sweep_plot_and_best_yaml(sweep):
+    resumed = sweep["resumed"]
+    assert Path(resumed["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    best = max(sweep["rows"], key=lambda r: r["best_val_accuracy"])
+    assert resumed["best"]["trial"] == best["trial"] and resumed["best"]["base_lr"] == best["base_lr"]
+    cfg = build_config(DDPConfig, {"config": resumed["best_yaml"]})
+    assert (cfg.base_lr, cfg.global_batch_size, cfg.epochs, cfg.num_workers, cfg.seed) == (
+        best["base_lr"], best["global_batch_size"], EPOCHS, 1, 1,
+    )  # fmt: skip
+    assert cfg.name is None and cfg.storage_path == str(sweep["storage"])
+
+
+def test_ddp_runs_the_best_yaml(sweep, tmp_path):
+    resumed = sweep["resumed"]
+    out = run_cli_json(
+        "ddp", "--config", resumed["best_yaml"], "--epochs", "1", "--storage-path", str(tmp_path), "--name", "best"
+    )
+    assert out["global_batch_size"] == resumed["best"]["global_batch_size"] and out["epochs"] == 1
+    assert out["world_size"] == 1 and out["val_count"] == 200
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--num-workers", "4"], ["--num-workers 4: a trial needs 5 CPUs (1 for its driver + 4 x --cpus-per-worker 1)", "has 4", "at most 3 workers"]),
+        (["--num-workers", "1", "--max-concurrent-trials", "3"], ["--max-concurrent-trials: 3 trials do not fit", "at most 2"]),
+        (["--num-workers", "1", "--use-gpu"], ["--num-workers 1: a trial needs 1 GPUs but the Ray cluster has 0"]),
+    ],
+)
+def test_trials_larger_than_the_cluster(small_digits, tmp_path, capsys, argv, fragments):
+    runs = tmp_path / "runs"
+    res = run_cli(capsys, "tune", "--data", small_digits, "--storage-path", str(runs), "--global-batch-sizes", "64", *argv)
+    assert_usage_error(res, *fragments)
+    assert not runs.exists()  # no trial started, nothing written
+
+
+def test_a_failed_trial_is_recorded(small_digits, tmp_path):
+    marker = tmp_path / "crashed"
+    code, out = run_cli_result(
+        "tune", "--data", small_digits, "--global-batch-sizes", "64", "--base-lrs", "0.1", "--epochs", "2",
+        "--scheduler", "none", "--num-workers", "1", "--storage-path", str(tmp_path), "--name", "fails",
+        "--log-every", "0", "--inject-fault", f"0:1:{marker}",
+    )  # fmt: skip
+    assert code == 1 and marker.is_file()  # no trial succeeded: nothing to recommend
+    assert out["trials_by_status"] == {"error": 1} and out["best"] is None and out["best_yaml"] is None
+    (row,) = pq.read_table(out["table_parquet"]).to_pylist()
+    assert row["status"] == "error" and "injected fault: rank 0 after epoch 1" in row["error"]
+    assert row["epochs_run"] <= 1 and Path(out["plot"]).is_file()
