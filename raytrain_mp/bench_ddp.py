@@ -177,7 +177,12 @@ def ray_worker(settings: dict[str, Any]) -> None:
     import ray.train.torch
 
     ctx = ray.train.get_context()
-    ray.train.report(measure_steps(settings, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device()))
+    figures = measure_steps(settings, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
+    # Ray Train V2 keeps only metrics that come with a checkpoint, so rank 0 attaches a token one.
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "figures.json").write_text(json.dumps(figures))
+        checkpoint = ray.train.Checkpoint.from_directory(folder) if ctx.get_world_rank() == 0 else None
+        ray.train.report(figures, checkpoint=checkpoint)
 
 
 def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:

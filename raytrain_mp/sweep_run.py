@@ -163,8 +163,10 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
             ),
         )
     results = tuner.fit()
-    unfinished = len(results) - results.num_terminated - results.num_errors
-    if unfinished:  # interrupted (Ctrl+C): the outputs describe finished sweeps only
+    # Tune marks a trial's last result done when the trial returns or its scheduler stops it; after
+    # an interruption (Ctrl+C) the stopped-in-flight and never-started trials lack it.
+    unfinished = sum(1 for result in results if not result.error and not result.metrics.get("done"))
+    if unfinished:  # the outputs describe finished sweeps only
         return {
             "experiment": experiment,
             "trials": len(results),

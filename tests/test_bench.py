@@ -1,0 +1,117 @@
+"""Smoke tests of ``raytrain-mp bench pipeline|ddp`` at tiny sizes: the JSON schema, every figure
+positive and finite, the plots written. No timing is asserted: the machine is shared."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from helpers import assert_usage_error, run_cli, run_cli_json
+
+# Figures that may be zero: a share of idle time, or a distance from a formula.
+MAY_BE_ZERO = ("bubble_fraction", "bubble_gap", "index")
+
+
+def figures(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path, value) of every leaf that is not a string or a boolean."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from figures(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(obj, list):
+        for index, value in enumerate(obj):
+            yield from figures(value, f"{path}[{index}]")
+    elif not isinstance(obj, (str, bool)):
+        yield path, obj
+
+
+def assert_figures_positive(results: dict) -> None:
+    """Every measured figure (settings and machine aside) is a finite number, positive unless it is
+    a fraction that may be zero; only an unprofiled stage's ``seconds`` may be None."""
+    measured = {k: v for k, v in results.items() if k not in ("settings", "machine")}
+    checked = 0
+    for path, value in figures(measured):
+        if value is None:
+            assert path.endswith(".seconds") and ".plan[" in path, path
+            continue
+        assert isinstance(value, (int, float)) and math.isfinite(value), (path, value)
+        assert value >= 0 if any(tag in path for tag in MAY_BE_ZERO) else value > 0, (path, value)
+        checked += 1
+    assert checked > 0
+
+
+def assert_machine(results: dict) -> None:
+    machine = results["machine"]
+    assert machine["cpu_count"] >= 1 and isinstance(machine["gpus"], list)
+    assert machine["torch"] and machine["ray"]
+    assert len(machine["load_average_start"]) == 3 and len(machine["load_average_end"]) == 3
+
+
+def assert_spread(figure: dict) -> None:
+    assert set(figure) == {"median", "min", "max"}
+    assert figure["min"] <= figure["median"] <= figure["max"]
+
+
+def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
+    out = tmp_path / "pipeline"
+    summary = run_cli_json(
+        "bench", "pipeline", "--out", str(out), "--model", "resnet18", "--image-size", "16",
+        "--batch-size", "8", "--microbatches", "1,2", "--steps", "1", "--warmup", "0", "--threads", "1",
+    )  # fmt: skip
+    results = json.loads((out / "results.json").read_text())
+    assert summary["results"] == str(out / "results.json")
+    for plot in summary["plots"]:
+        assert Path(plot).stat().st_size > 0 and plot.endswith(".png")
+    assert_machine(results)
+    assert results["settings"]["microbatches"] == [1, 2]
+    local = results["one_process"]
+    assert [f["microbatches"] for f in [local["whole_batch"], *local["grad_accum"]]] == [1, 2]
+    assert set(results["layouts"]) == {"fixed", "balanced"}
+    for name, layout in results["layouts"].items():
+        assert len(layout["plan"]) == 2
+        runs = {(r["schedule"], r["microbatches"]) for r in layout["runs"]}
+        assert runs == {("gpipe", 1), ("gpipe", 2), ("1f1b", 2)}, name  # 1F1B needs m >= stages
+        for run in layout["runs"]:
+            assert_spread(run["step_seconds"])
+            assert len(run["busy_seconds"]) == len(run["peak_activation_bytes"]) == 2
+            assert run["bubble_formula"] == 1 / (run["microbatches"] + 1)
+    assert results["layouts"]["fixed"]["plan"][1]["blocks"][0] == "layer3.0"  # the seeds' split
+    gpipe2, one_f2 = (
+        next(r for r in results["layouts"]["fixed"]["runs"] if r["schedule"] == s and r["microbatches"] == 2)
+        for s in ("gpipe", "1f1b")
+    )
+    # 1F1B's last stage holds one micro-batch where GPipe holds both.
+    assert one_f2["peak_activation_bytes"][1] < gpipe2["peak_activation_bytes"][1]
+    assert_figures_positive(results)
+
+
+def test_bench_ddp_smoke(ray_session, tmp_path):
+    out = tmp_path / "ddp"
+    summary = run_cli_json(
+        "bench", "ddp", "--out", str(out), "--image-size", "8", "--batch-size", "4",
+        "--workers", "1,2", "--steps", "2", "--warmup", "1",
+    )  # fmt: skip
+    results = json.loads((out / "results.json").read_text())
+    assert Path(summary["plots"][0]).stat().st_size > 0
+    assert_machine(results)
+    assert results["ray_running_during_bare"] is True  # the test session's Ray was up
+    for side in ("bare_torchrun", "ray_train"):
+        assert [r["workers"] for r in results[side]] == [1, 2]
+        for run in results[side]:
+            assert_spread(run["step_seconds"])
+            assert_spread(run["samples_per_second"])
+    assert set(results["ours_over_bare"]) == {"1", "2"}
+    assert "data_parallel" in results["not_measured"]
+    assert_figures_positive(results)
+
+
+def test_bench_bad_input(capsys, tmp_path):
+    out = str(tmp_path / "x")
+    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--split-points", "layer2,layer3"), "--split-points")
+    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--microbatches", "1,65"), "--microbatches")
+    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--stages", "1"), "--stages")
+    assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--workers", "0"), "--workers")
+    assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--steps", "0"), "--steps")
+    assert_usage_error(run_cli(capsys, "bench", "ddp"), "--out")
