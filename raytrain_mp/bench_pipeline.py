@@ -35,11 +35,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from raytrain_mp.bench_common import bar_chart, check_timing, machine, pyplot, summarize, timed, write_results
+from raytrain_mp.bench_common import (
+    bar_chart,
+    check_timing,
+    machine,
+    pyplot,
+    summarize,
+    timed,
+    write_results,
+)
 from raytrain_mp.config import check, check_choice, check_writable, option
 from raytrain_mp.models import MODEL_NAMES, build_model, wants_small_stem
 from raytrain_mp.optim import build_optimizer
-from raytrain_mp.pipeline import PipelineTrainer, StageModule, build_schedule, flatten_model, split_batch
+from raytrain_mp.pipeline import (
+    PipelineTrainer,
+    StageModule,
+    build_schedule,
+    flatten_model,
+    split_batch,
+)
 from raytrain_mp.pipeline.schedule import FORWARD
 
 LR = 0.01  # small enough that random labels never blow the weights up (NaNs would change the timing)
@@ -124,7 +138,7 @@ def saved_activation_bytes(stages: Sequence[nn.Module], x: Tensor, y: Tensor) ->
     for index, stage in enumerate(stages):
         saved: dict[int, int] = {}
 
-        def pack(t: Tensor) -> Tensor:
+        def pack(t: Tensor, saved: dict[int, int] = saved) -> Tensor:
             storage = t.untyped_storage()
             if storage.data_ptr() not in params:
                 saved[storage.data_ptr()] = storage.nbytes()
@@ -162,6 +176,11 @@ def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Ten
         torch.cuda.synchronize()
 
 
+def progress(label: str, step_seconds: dict[str, float]) -> None:
+    """One line per figure as it is measured (a default run takes minutes)."""
+    print(f"{label}: {step_seconds['median']:.3f} s/step (min {step_seconds['min']:.3f}, max {step_seconds['max']:.3f})", flush=True)
+
+
 def one_process(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Any]:
     """Step times of one process: the whole batch, and gradient accumulation over each m > 1."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -173,8 +192,9 @@ def one_process(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor
         x, y = x.to(device), y.to(device)
         figures = {}
         for m in cfg.sweep:
-            seconds = timed(lambda: accumulation_step(model, optimizer, x, y, m), cfg.warmup, cfg.steps)
+            seconds = timed(lambda m=m: accumulation_step(model, optimizer, x, y, m), cfg.warmup, cfg.steps)
             figures[m] = {"microbatches": m, "step_seconds": summarize(seconds)}
+            progress(f"one process, {cfg.threads} threads, m={m}", figures[m]["step_seconds"])
     finally:
         torch.set_num_threads(threads)
     return {
@@ -196,6 +216,7 @@ def pipeline_run(cfg: BenchPipelineConfig, trainer: PipelineTrainer, x: Tensor, 
         per_step.append(trainer.stats(reset=True))
 
     seconds = timed(step, cfg.warmup, cfg.steps)
+    progress(f"{schedule} m={m}", summarize(seconds))
     measured = per_step[cfg.warmup:]
     return {
         "schedule": schedule,
@@ -220,6 +241,7 @@ def layout_runs(
         model, cfg.stages, lr=LR, momentum=MOMENTUM, cpus_per_stage=cfg.cpus_per_stage, **partition
     ) as trainer:
         plan = [dataclasses.asdict(stage) for stage in trainer.plan]
+        print("stages: " + " | ".join(f"{p['blocks'][0]}..{p['blocks'][-1]}" for p in plan), flush=True)
         runs = [
             pipeline_run(cfg, trainer, x, y, schedule, m)
             for schedule in ("gpipe", "1f1b")
@@ -228,11 +250,14 @@ def layout_runs(
         ]
     # Activation memory is measured after the timed runs, so it never competes with them for CPUs.
     stages = stage_modules(model, [stage["blocks"] for stage in plan])
+    per_microbatch: dict[int, list[int]] = {}  # m -> bytes per stage of micro-batch 0, the largest
     for run in runs:
-        first = split_batch(x, y, run["microbatches"])[0]
-        per_microbatch = saved_activation_bytes(stages, first.inputs, first.targets)
-        held = max_in_flight(run["schedule"], cfg.stages, run["microbatches"])
-        run["peak_activation_bytes"] = [count * size for count, size in zip(held, per_microbatch)]
+        m = run["microbatches"]
+        if m not in per_microbatch:
+            first = split_batch(x, y, m)[0]
+            per_microbatch[m] = saved_activation_bytes(stages, first.inputs, first.targets)
+        held = max_in_flight(run["schedule"], cfg.stages, m)
+        run["peak_activation_bytes"] = [count * size for count, size in zip(held, per_microbatch[m])]
         run["samples_per_second"] = cfg.batch_size / run["step_seconds"]["median"]
     return {"plan": plan, "runs": runs}
 

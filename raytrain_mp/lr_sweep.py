@@ -24,7 +24,15 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from raytrain_mp.config import OPTIMIZERS, DDPConfig, build_config, check, check_choice, flag_name, option
+from raytrain_mp.config import (
+    OPTIMIZERS,
+    DDPConfig,
+    build_config,
+    check,
+    check_choice,
+    flag_name,
+    option,
+)
 from raytrain_mp.errors import UsageError
 
 # Per-trial DDP options: their values come from the search space (keys of a trial's params).

@@ -160,6 +160,9 @@ def plot_png(rows: Sequence[dict[str, Any]], subtitle: str) -> bytes:
         peak = max(points, key=lambda r: r["final_val_accuracy"])
         ax.plot(peak["base_lr"], peak["final_val_accuracy"], "*", ms=14, color=line.get_color())
     ax.set_xscale("log")
+    lrs = sorted({p["base_lr"] for points in curves.values() for p in points})
+    ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs], rotation=45 if len(lrs) > 8 else 0)
+    ax.minorticks_off()  # the tried lrs label the axis; log-scale minor labels would crowd them
     ax.set_xlabel("base learning rate (at the base batch; scaled per trial by the rule)")
     ax.set_ylabel("final validation accuracy")
     ax.set_title(f"Learning-rate sweep ({subtitle})\n* peak per curve; hollow: stopped early")

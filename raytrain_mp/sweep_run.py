@@ -30,20 +30,32 @@ from typing import Any
 import ray
 from ray import tune
 from ray.core.generated import gcs_pb2
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+from raytrain_mp.cluster import cluster_totals, resolve_use_gpu
 from raytrain_mp.config import DDPConfig, to_yaml
 from raytrain_mp.data import read_meta
+from raytrain_mp.ddp_trainer import (
+    build_trainer,
+    with_checked_data,
+    with_cluster_settings,
+)
 from raytrain_mp.errors import UsageError
-from raytrain_mp.lr_sweep import PER_TRIAL, SWEEP_FILE, TRIAL_DRIVER_CPUS, concurrency, trial_config
+from raytrain_mp.lr_sweep import (
+    PER_TRIAL,
+    SWEEP_FILE,
+    TRIAL_DRIVER_CPUS,
+    concurrency,
+    trial_config,
+)
 from raytrain_mp.sweep_report import TrialOutcome, table_rows, write_file, write_outputs
 
 
 def prepared(cfg: Any) -> Any:
     """``cfg`` with data resolved and checked, local paths absolute (trials run in their own
     folders) and the experiment named; needs no Ray."""
-    from raytrain_mp.ddp_trainer import with_checked_data
-
     data = with_checked_data(dataclasses.replace(cfg.template(), global_batch_size=min(cfg.global_batch_sizes))).data
     train_count = read_meta(data).counts["train"]
     too_big = [b for b in cfg.global_batch_sizes if b > train_count]
@@ -113,10 +125,6 @@ def release_orphaned_placement_groups() -> int:
 
 def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> None:
     """The Tune trainable: fit the trial's DDP run, reporting every epoch to Tune."""
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from raytrain_mp.ddp_trainer import build_trainer
-
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(template, {k: params[k] for k in PER_TRIAL}, name=f"train-{trial_id}", storage_path=experiment)
     build_trainer(cfg, callbacks=[TuneReportCallback()]).fit()
@@ -125,11 +133,6 @@ def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> N
 def run_sweep(cfg: Any) -> dict[str, Any]:
     """Run (or, with ``cfg.resume``, finish) the sweep on the connected cluster; write its outputs
     and return the summary. ``cfg`` must come from ``prepared``."""
-    from ray.tune.schedulers import ASHAScheduler
-
-    from raytrain_mp.cluster import cluster_totals, resolve_use_gpu
-    from raytrain_mp.ddp_trainer import with_cluster_settings
-
     use_gpu = resolve_use_gpu(cfg.use_gpu)
     max_concurrent = concurrency(cfg, *cluster_totals(), use_gpu)
     template = dataclasses.replace(with_cluster_settings(cfg.template()), name=None)

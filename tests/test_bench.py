@@ -91,18 +91,18 @@ def test_bench_ddp_smoke(ray_session, tmp_path):
     out = tmp_path / "ddp"
     summary = run_cli_json(
         "bench", "ddp", "--out", str(out), "--image-size", "8", "--batch-size", "4",
-        "--workers", "1,2", "--steps", "2", "--warmup", "1",
+        "--workers", "2", "--steps", "2", "--warmup", "1",
     )  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert Path(summary["plots"][0]).stat().st_size > 0
     assert_machine(results)
     assert results["ray_running_during_bare"] is True  # the test session's Ray was up
     for side in ("bare_torchrun", "ray_train"):
-        assert [r["workers"] for r in results[side]] == [1, 2]
+        assert [r["workers"] for r in results[side]] == [2]  # one worker count keeps it to one Ray fit
         for run in results[side]:
             assert_spread(run["step_seconds"])
             assert_spread(run["samples_per_second"])
-    assert set(results["ours_over_bare"]) == {"1", "2"}
+    assert set(results["ours_over_bare"]) == {"2"}
     assert "data_parallel" in results["not_measured"]
     assert_figures_positive(results)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
@@ -220,7 +221,7 @@ def test_outputs_table_plot_and_best_yaml(tmp_path, outcomes):
     best = build_config(DDPConfig, {"config": out["best_yaml"]})  # what `raytrain-mp ddp --config` does
     assert (best.base_lr, best.global_batch_size, best.seed, best.epochs, best.name) == (0.4, 128, 5, 2, None)
     assert best.storage_path == template.storage_path
-    assert open(out["best_yaml"]).read().startswith("# Best trial of the sweep")
+    assert Path(out["best_yaml"]).read_text().startswith("# Best trial of the sweep")
 
 
 def test_all_trials_failed_writes_the_table_but_no_best(tmp_path):
