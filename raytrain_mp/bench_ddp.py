@@ -61,6 +61,7 @@ class BenchDDPConfig:
     out: str = option("", "folder for results.json and the plot")
     model: str = option("resnet18", "model architecture", MODEL_NAMES)
     image_size: int = option(32, "side of the random square input images in pixels")
+    small_stem: bool | None = option(None, "3x3 stride-1 stem without max-pool (default: on below 64 px, as raytrain-mp ddp)")
     batch_size: int = option(32, "samples per worker per step")
     num_classes: int = option(10, "classes of the random labels")
     workers: tuple[int, ...] = option((1, 2), "worker counts to measure (DDP ranks)")
@@ -100,7 +101,8 @@ def measure_steps(settings: dict[str, Any], rank: int, world: int, device: torch
     torch.set_num_threads(settings["threads"])  # Ray and torchrun set OMP_NUM_THREADS; torch's pool is ours
     size, batch = settings["image_size"], settings["batch_size"]
     torch.manual_seed(settings["seed"])
-    model: nn.Module = build_model(settings["model"], settings["num_classes"], 3, wants_small_stem(size))
+    small_stem = wants_small_stem(size) if settings["small_stem"] is None else settings["small_stem"]
+    model: nn.Module = build_model(settings["model"], settings["num_classes"], 3, small_stem)
     distributed = dist.is_available() and dist.is_initialized()
     if settings["sync_bn"] and world > 1:
         model = convert_sync_batchnorm(model, device=device)

@@ -59,48 +59,45 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ddp(args: argparse.Namespace) -> int:
+def run_on_ray(cfg, run, as_json: bool, title: str) -> dict:
+    """Join (or start) Ray for ``cfg.address``, run, and print the result; Ray starts only now,
+    after the config and its data passed every check."""
     from raytrain_mp.cluster import ray_connection
+
+    with ray_connection(cfg.address):
+        result = run(cfg)
+    emit(result, as_json, title)
+    return result
+
+
+def cmd_ddp(args: argparse.Namespace) -> int:
     from raytrain_mp.ddp_trainer import run_ddp, with_checked_data
 
-    cfg = with_checked_data(build_config(DDPConfig, args))
-    with ray_connection(cfg.address):
-        result = run_ddp(cfg)
-    emit(result, args.json, "ddp training finished")
+    run_on_ray(with_checked_data(build_config(DDPConfig, args)), run_ddp, args.json, "ddp training finished")
     return 0
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
-    from raytrain_mp.cluster import ray_connection
     from raytrain_mp.pipeline_run import run_pipeline, with_checked_inputs
 
     cfg = with_checked_inputs(build_config(PipelineConfig, args))
-    with ray_connection(cfg.address):
-        result = run_pipeline(cfg)
-    emit(result, args.json, "pipeline training finished")
+    run_on_ray(cfg, run_pipeline, args.json, "pipeline training finished")
     return 0
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from raytrain_mp.cluster import ray_connection
     from raytrain_mp.lr_sweep import tune_config_from_args
     from raytrain_mp.sweep_run import prepared, run_sweep
 
-    cfg = prepared(tune_config_from_args(args))
-    with ray_connection(cfg.address):
-        result = run_sweep(cfg)
-    emit(result, args.json, "learning-rate sweep finished")
+    result = run_on_ray(prepared(tune_config_from_args(args)), run_sweep, args.json, "learning-rate sweep finished")
     return 0 if result["best"] else 1  # every trial failed, or the sweep was interrupted (its "resume" says how to go on)
 
 
 def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from raytrain_mp.bench_pipeline import run_bench_pipeline
-    from raytrain_mp.cluster import ray_connection
 
     cfg = build_config(BenchPipelineConfig, args)
-    with ray_connection(cfg.address):
-        result = run_bench_pipeline(cfg)
-    emit(result, args.json, f"pipeline benchmark written to {cfg.out}")
+    run_on_ray(cfg, run_bench_pipeline, args.json, f"pipeline benchmark written to {cfg.out}")
     return 0
 
 

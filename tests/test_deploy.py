@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -45,10 +45,14 @@ def head_node(tmp_path_factory):
     subprocess.run(["ray", "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
     dashboard = free_port()
     temp_dir = Path(f"/tmp/rtmp-{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
+    # Every port free and explicit: a default one (the agent's 52365, say) may be held by another Ray here.
+    ports = [f"--{name}={free_port()}" for name in (
+        "port", "ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+        "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port",
+    )]  # fmt: skip
     head = subprocess.Popen(
-        ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=2", "--include-dashboard=true",
-         f"--temp-dir={temp_dir}", f"--ray-client-server-port={free_port()}"],
+        ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dashboard}", "--num-cpus=2", "--include-dashboard=true", f"--temp-dir={temp_dir}", *ports],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     address = f"http://127.0.0.1:{dashboard}"
@@ -85,7 +89,8 @@ def submit(env: dict, address: str, *job_args: str) -> tuple[str, str]:
     status = ""
     while time.time() < deadline:
         out = subprocess.run(["ray", "job", "status", "--address", address, job_id], env=env, capture_output=True, text=True)
-        status = next((s for s in ("SUCCEEDED", "FAILED", "STOPPED") if s in out.stdout), "")
+        found = re.search(rf"Job '{job_id}' (succeeded|failed|stopped)", out.stdout + out.stderr)
+        status = found.group(1).upper() if found else ""
         if status:
             break
         time.sleep(3)
@@ -98,7 +103,7 @@ def test_job_submit_trains_and_checkpoints(head_node, tmp_path):
     runs = tmp_path / "runs"
     status, logs = submit(
         env, address, "jobs/ddp_resnet.py", "--num-workers", "2", "--epochs", "1", "--global-batch-size", "256",
-        "--storage-path", str(runs), "--name", "job", "--json",
+        "--base-lr", "0.1", "--storage-path", str(runs), "--name", "job", "--json",
     )  # fmt: skip
     assert status == "SUCCEEDED", logs[-3000:]
     assert "epoch 1/1" in logs
