@@ -125,3 +125,14 @@ def test_evaluation_counts_every_val_sample_once(one_step_runs):
         assert one_step_runs[workers]["val_count"] == 25  # 25 is divisible by neither 2 nor 3
     accuracies = {round(one_step_runs[w]["val_accuracy"], 12) for w in (1, 2, 3)}
     assert len(accuracies) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: NCCL, native SyncBatchNorm, fp16 GradScaler")
+def test_gpu_ddp_with_nccl_native_syncbn_and_fp16(digits_dir, storage):
+    workers = min(2, torch.cuda.device_count())
+    result = run_cli_json(
+        "ddp", "--use-gpu", "--num-workers", str(workers), "--precision", "fp16", "--epochs", "1",
+        "--global-batch-size", "128", "--storage-path", storage, "--name", "gpu", "--log-every", "0",
+    )  # fmt: skip
+    assert result["world_size"] == workers and result["val_count"] == 359
+    build_model("resnet18", 10, 1, True).load_state_dict(load_model_pt(result), strict=True)
