@@ -110,6 +110,14 @@ def cmd_bench_ddp(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_command(sub, name: str, help_text: str, config_cls: type, handler, positional: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """A subcommand whose flags are ``config_cls``'s fields (but ``positional``) and whose work is ``handler``."""
+    parser = sub.add_parser(name, help=help_text)
+    add_arguments(parser, config_cls, positional=positional)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog=PROG,
@@ -120,31 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="prepare data sets as Parquet shards")
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=OneLineParser)
-    prep = data_sub.add_parser("prepare", help="write SOURCE as Parquet shards + metadata into --out")
+    prep = add_command(data_sub, "prepare", "write SOURCE as Parquet shards + metadata into --out", PrepareConfig, cmd_prepare, ("source",))
     prep.add_argument("source", metavar="SOURCE", help="digits | synthetic | cifar10:PATH | imagefolder:PATH")
-    add_arguments(prep, PrepareConfig, positional=("source",))
-    prep.set_defaults(handler=cmd_prepare)
-
-    ddp = sub.add_parser("ddp", help="DistributedDataParallel training on Ray Train")
-    add_arguments(ddp, DDPConfig)
-    ddp.set_defaults(handler=cmd_ddp)
-
-    pipe = sub.add_parser("pipeline", help="pipelined model-parallel training on Ray stage actors")
-    add_arguments(pipe, PipelineConfig)
-    pipe.set_defaults(handler=cmd_pipeline)
-
-    sweep = sub.add_parser("tune", help="learning-rate sweep on Ray Tune, one DDP run per trial")
-    add_arguments(sweep, TuneConfig)
-    sweep.set_defaults(handler=cmd_tune)
+    add_command(sub, "ddp", "DistributedDataParallel training on Ray Train", DDPConfig, cmd_ddp)
+    add_command(sub, "pipeline", "pipelined model-parallel training on Ray stage actors", PipelineConfig, cmd_pipeline)
+    add_command(sub, "tune", "learning-rate sweep on Ray Tune, one DDP run per trial", TuneConfig, cmd_tune)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks: results.json and PNG plots")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=OneLineParser)
-    bench_pipe = bench_sub.add_parser("pipeline", help="one process vs model parallel vs pipelined schedules")
-    add_arguments(bench_pipe, BenchPipelineConfig)
-    bench_pipe.set_defaults(handler=cmd_bench_pipeline)
-    bench_ddp = bench_sub.add_parser("ddp", help="Ray Train DDP vs a bare torchrun loop, samples/s")
-    add_arguments(bench_ddp, BenchDDPConfig)
-    bench_ddp.set_defaults(handler=cmd_bench_ddp)
+    add_command(bench_sub, "pipeline", "one process vs model parallel vs pipelined schedules", BenchPipelineConfig, cmd_bench_pipeline)
+    add_command(bench_sub, "ddp", "Ray Train DDP vs a bare torchrun loop, samples/s", BenchDDPConfig, cmd_bench_ddp)
     return parser
 
 
