@@ -268,6 +268,9 @@ class TrainOptions:
             check(len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit(), "inject_fault", "accepted: INDEX:EPOCH:MARKER")
 
 
+DDP_PLACEMENTS = ("PACK", "SPREAD")
+
+
 @dataclasses.dataclass
 class DDPConfig(TrainOptions):
     num_workers: int = option(2, "Ray Train workers (DDP ranks)")
@@ -276,9 +279,11 @@ class DDPConfig(TrainOptions):
     global_batch_size: int = option(64, "samples per optimizer step over all workers")
     grad_accum_steps: int = option(1, "micro-steps accumulated per optimizer step (DDP no_sync)")
     sync_bn: bool = option(True, "synchronize BatchNorm statistics across workers")
+    placement: str = option("PACK", "worker placement: PACK fills a node first, SPREAD puts one per node where it can", DDP_PLACEMENTS)
 
     def validate(self) -> None:
         super().validate()
+        check_choice(self, "placement")
         check(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
         check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
         check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")

@@ -49,7 +49,9 @@ def build_trainer(cfg: DDPConfig, callbacks: Sequence[UserCallback] = ()) -> Tor
         train_loop_per_worker,
         train_loop_config=dataclasses.asdict(cfg),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=resources),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=resources, placement_strategy=cfg.placement
+        ),
         run_config=RunConfig(
             name=cfg.name,
             storage_path=cfg.storage_path,
@@ -71,6 +73,7 @@ def summarize(result, cfg: DDPConfig) -> dict:
         "train_loss": metrics.get("train_loss"),
         "epochs": metrics.get("epoch"),
         "world_size": metrics.get("world_size"),
+        "num_nodes": metrics.get("num_nodes"),
         "global_batch_size": cfg.global_batch_size,
         "lr": metrics.get("lr"),
         "samples_per_second": metrics.get("samples_per_second"),

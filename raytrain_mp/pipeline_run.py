@@ -158,10 +158,11 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             if optimizer_states is not None:
                 trainer.load_optimizer_state_dicts(optimizer_states)
             trainer.steps_done = start_epoch * steps_per_epoch
-            for plan in trainer.plan:
-                print(describe(plan), flush=True)
+            for plan, node in zip(trainer.plan, trainer.nodes):
+                print(f"{describe(plan)} on node {node[:8]}", flush=True)
             summary = train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, start_epoch, run_dir)
-            return {**summary, "stages": [dataclasses.asdict(plan) for plan in trainer.plan], "run": str(run_dir)}
+            stages = [{**dataclasses.asdict(plan), "node_id": node} for plan, node in zip(trainer.plan, trainer.nodes)]
+            return {**summary, "num_nodes": len(set(trainer.nodes)), "stages": stages, "run": str(run_dir)}
         except StageFailedError as exc:
             if failures >= cfg.max_failures:
                 raise

@@ -57,12 +57,23 @@ def maybe_inject_fault(spec: str | None, rank: int, epoch: int) -> None:
         raise RuntimeError(f"injected fault: rank {rank} after epoch {epoch}")
 
 
+def count_nodes(world: int) -> int:
+    """Distinct Ray nodes holding the ranks (by node id: Ray Train's node rank goes by IP, and
+    several nodes may share one IP, as in ``ray.cluster_utils.Cluster``)."""
+    node_ids: list[str | None] = [None] * world
+    dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
+    return len(set(node_ids))
+
+
 def train_loop_per_worker(config: dict) -> None:
     cfg = DDPConfig(**config)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(cfg.cpus_per_worker)  # Ray sets OMP_NUM_THREADS; torch's pool is ours to size
     device = ray.train.torch.get_device()
+    num_nodes = count_nodes(world)
+    if rank == 0:
+        print(f"{world} worker{'s' * (world > 1)} on {num_nodes} node{'s' * (num_nodes > 1)}", flush=True)
     dtype = torch.float64 if cfg.precision == "fp64" else torch.float32
     autocast = autocast_for(cfg.precision, device)
 
@@ -116,7 +127,7 @@ def train_loop_per_worker(config: dict) -> None:
         set_rng_states(train_state["rng"])
         start_epoch = train_state["epoch"] + 1
         if rank == 0:
-            print(f"resumed from {resume_dir} at epoch {start_epoch}", flush=True)
+            print(f"resumed from {resume_dir} at epoch {start_epoch + 1}", flush=True)
 
     for epoch in range(start_epoch, cfg.epochs):
         sampler.set_epoch(epoch)
@@ -153,6 +164,7 @@ def train_loop_per_worker(config: dict) -> None:
             "samples_per_second": train_samples / elapsed,
             "lr": optimizer.param_groups[0]["lr"],
             "world_size": world,
+            "num_nodes": num_nodes,
             "global_batch_size": cfg.global_batch_size,
         }
         if not all(math.isfinite(v) for v in metrics.values()):

@@ -251,6 +251,8 @@ class PipelineTrainer:
                 options = self._placement(index, cpus_per_stage)
                 self._actors.append(actor_class.options(**options).remote(module, config))
             self.devices: list[str] = self._call_all("ready")
+            bundle_nodes = ray.util.placement_group_table(self._pg)["bundles_to_node_id"]
+            self.nodes: list[str] = [bundle_nodes[index] for index in range(num_stages)]  # Ray node id per stage
             if self._rdt:
                 from ray.experimental.collective import create_collective_group
 

@@ -1,0 +1,160 @@
+"""Every command in README.md, word for word.
+
+Each runnable one runs as a user would type it: in a shell, in README order, in one fresh working
+folder, with HOME a temporary folder (so ``~``, ``~/ray_results`` and the default data cache are
+private) and no RAY_ADDRESS (so each command starts its own local Ray, as on a fresh machine). The
+rest are listed in ``NOT_HERE`` with the reason; a README command in neither list fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+GPU = "needs CUDA GPUs"
+CLOUD = "needs a cloud account or remote machines"
+NOT_HERE = {
+    "pip install -e '.[test]' && pytest": "this is .ci/run itself",
+    "raytrain-mp pipeline --use-gpu --stages 4 --balance time --data data/cifar10": GPU,
+    "ray start --head --num-gpus=4": GPU + " (Ray would advertise 4 GPUs that are not there)",
+    "raytrain-mp ddp --address auto --num-workers 4 --use-gpu": GPU,
+    "raytrain-mp pipeline --address auto --stages 4 --use-gpu": GPU,
+    "ray get-auth-token --generate": "run by tests/test_deploy.py before its token-authenticated head starts",
+    "ray up cluster.yaml": CLOUD,
+    "ray dashboard cluster.yaml &": CLOUD,
+    "export RAY_AUTH_MODE=token RAY_ADDRESS=http://127.0.0.1:8265": CLOUD + " (it points at `ray dashboard`'s tunnel)",
+    "ray job submit --working-dir . -- python jobs/ddp_resnet.py --num-workers 4 --use-gpu --storage-path s3://BUCKET/runs": CLOUD,
+    "ray job submit --working-dir . -- python jobs/pipeline_resnet.py --stages 2 --use-gpu --storage-path /mnt/nfs/runs": CLOUD,
+    "ray job logs JOB_ID ; ray job stop JOB_ID": CLOUD + "; tests/test_deploy.py reads `ray job logs` of a local head",
+    "ray down cluster.yaml": CLOUD,
+    "ray job submit --working-dir . -- python jobs/tune_lr.py --global-batch-sizes 256,512,1024 --base-lrs 0.025,0.05,0.1,0.2 --num-workers 4 --use-gpu --storage-path s3://BUCKET/sweeps": CLOUD,
+    "raytrain-mp bench pipeline --out docs/bench/pipeline": "10 minutes alone on 2 cores; its figures are committed in docs/bench",
+    "raytrain-mp bench ddp --out docs/bench/ddp": "8 minutes alone on 2 cores; its figures are committed in docs/bench",
+}  # fmt: skip
+
+FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
+
+
+def readme_blocks(language: str) -> list[str]:
+    """The fenced blocks of ``language``, dedented to their fence."""
+    blocks = []
+    for indent, lang, body in FENCE.findall(README.read_text()):
+        if lang == language:
+            blocks.append("\n".join(line[len(indent):] for line in body.splitlines()))
+    return blocks
+
+
+def readme_commands() -> list[str]:
+    """Every command of the README's bash blocks in order: continuations joined, comments dropped."""
+    commands = []
+    for block in readme_blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = re.sub(r"\s+#\s.*$", "", line).strip()
+            if command:
+                commands.append(re.sub(r"\s+", " ", command))
+    return commands
+
+
+def test_every_readme_command_is_run_here_or_excused():
+    commands = readme_commands()
+    assert len(commands) == len(set(commands)), "a command appears twice"
+    assert set(NOT_HERE) <= set(commands), set(NOT_HERE) - set(commands)  # no stale excuses
+    assert "raytrain-mp ddp" in " ".join(commands) and len(commands) - len(NOT_HERE) >= 12
+
+
+def write_cifar_tree(root: Path) -> None:
+    """A small tree in the format of the cifar-10-python tarball (bytes keys, (N, 3072) uint8)."""
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        labels = rng.integers(0, 10, size=8).tolist()
+        batch = {b"labels": labels, b"data": rng.integers(0, 256, size=(8, 3072), dtype=np.uint8)}
+        (root / name).write_bytes(pickle.dumps(batch, protocol=2))
+    names = [b"airplane", b"automobile", b"bird", b"cat", b"deer", b"dog", b"frog", b"horse", b"ship", b"truck"]
+    (root / "batches.meta").write_bytes(pickle.dumps({b"label_names": names}, protocol=2))
+
+
+def write_photo_tree(root: Path) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    for label in ("cat", "dog"):
+        (root / label).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(rng.integers(0, 256, size=(80, 96, 3), dtype=np.uint8)).save(root / label / f"{i}.jpg")
+
+
+def last_json(out: str) -> dict:
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def check_output(command: str, out: str, home: Path, work: Path) -> None:
+    """What each command must have produced, beyond exit code 0."""
+    if command.startswith("pip install -e . && raytrain-mp ddp"):
+        accuracy = re.findall(r"epoch 6/6 .*val_accuracy (\d\.\d+)", out)
+        assert accuracy and float(accuracy[-1]) >= 0.95, out[-2000:]
+        assert list((home / ".cache" / "raytrain_mp").iterdir())  # digits prepared into the default cache
+    elif command.startswith("raytrain-mp data prepare"):
+        out_dir = work / command.split("--out ")[1].split()[0]
+        assert (out_dir / "metadata.json").is_file()
+    elif command.startswith("raytrain-mp ddp --data"):
+        result = last_json(out)
+        assert result["epochs"] == 2 and result["world_size"] == 2 and result["global_batch_size"] == 128
+    elif command.startswith("raytrain-mp ddp --config run.yaml"):
+        assert list((home / "ray_results" / "digits-yaml").glob("checkpoint_*/model.pt"))
+    elif command.endswith("--help"):
+        assert "--global-batch-size" in out and "--no-sync-bn" in out
+    elif command.startswith("raytrain-mp pipeline"):
+        assert "stage 1:" in out
+    elif command.startswith("raytrain-mp tune --global"):
+        rows = (home / "ray_results" / "lr-sweep" / "sweep_table.csv").read_text().splitlines()
+        assert len(rows) == 1 + 4 and (home / "ray_results" / "lr-sweep" / "best.yaml").is_file()
+    elif command.startswith("raytrain-mp bench pipeline"):
+        results = json.loads((work / "bench-tiny" / "results.json").read_text())
+        assert results["settings"]["model"] == "resnet18"
+
+
+@pytest.fixture(scope="module")
+def fresh_user(tmp_path_factory):
+    """A HOME with the files the README's commands expect to find there, and an empty work folder."""
+    home = tmp_path_factory.mktemp("home")
+    write_cifar_tree(home / "cifar-10-batches-py")
+    write_photo_tree(home / "photos")
+    work = tmp_path_factory.mktemp("work")
+    (work / "run.yaml").write_text(readme_blocks("yaml")[0] + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYTRAIN_MP_CACHE")}
+    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
+    return home, work, env
+
+
+def test_readme_commands_run_word_for_word(fresh_user):
+    home, work, env = fresh_user
+    ran = []
+    for command in readme_commands():
+        if command in NOT_HERE:
+            continue
+        # `pip install -e .` installs the clone it runs in; every other command runs in a fresh folder.
+        cwd = REPO if command.startswith("pip install -e .") else work
+        done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (command, done.stdout[-3000:], done.stderr[-3000:])
+        check_output(command, done.stdout, home, work)
+        ran.append(command)
+
+    # The README's Python snippet, on the main job's model.pt.
+    (model_pt,) = sorted((home / "ray_results").glob("ddp-*/checkpoint_*/model.pt"))[-1:]
+    shutil.copy(model_pt, work / "model.pt")
+    (snippet,) = [block for block in readme_blocks("python") if "load_state_dict" in block]
+    done = subprocess.run(["python", "-c", snippet], cwd=work, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(ran) == len(readme_commands()) - len(NOT_HERE)
