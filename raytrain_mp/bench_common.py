@@ -3,10 +3,12 @@
 Job: keep the benchmarks' method identical, so their figures compare: a figure is the median of
 ``steps`` timed calls after ``warmup`` untimed ones, reported with its min and max; the JSON holds
 the machine (CPU count, GPU names, torch and ray versions, load average) next to the figures.
+``torchrun`` launches the bare torch.distributed peers (``bench_ddp_bare``,
+``bench_pipeline_native``) one way: ``--settings JSON --result PATH``, rank 0 writes the JSON.
 
 Invariants: ``summarize`` never sees an empty list (``timed`` refuses ``steps < 1``); results are
 written atomically (a half-written ``results.json`` never exists); plots use matplotlib's Agg
-backend, so no display is needed.
+backend, so no display is needed; a torchrun that fails raises, with the tail of its stderr.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -78,6 +83,27 @@ def write_results(out: str | Path, results: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(results, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def torchrun(module: str, nproc: int, settings: dict[str, Any], threads: int, what: str) -> dict[str, Any]:
+    """Run ``python -m module --settings JSON --result PATH`` as ``nproc`` ranks of a standalone
+    torchrun with ``OMP_NUM_THREADS=threads``, and return the JSON its rank 0 wrote to PATH.
+
+    Raises ``RuntimeError`` naming ``what``, the exit code and the tail of stderr when torchrun
+    fails or rank 0 wrote nothing."""
+    with tempfile.TemporaryDirectory(prefix="bench-torchrun-") as tmp:
+        result = Path(tmp) / "rank0.json"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "-m", module, "--settings", json.dumps(settings), "--result", str(result),
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{what} failed (exit code {done.returncode}): {done.stderr[-3000:]}")
+        if not result.is_file():
+            raise RuntimeError(f"{what} exited 0 but rank 0 wrote no result: {done.stderr[-3000:]}")
+        return json.loads(result.read_text())
 
 
 def pyplot() -> Any:

@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -44,6 +41,7 @@ from raytrain_mp.bench_common import (
     check_timing,
     machine,
     summarize,
+    torchrun,
     write_results,
 )
 from raytrain_mp.config import check, check_choice, check_writable, option
@@ -164,18 +162,8 @@ def one_process(cfg: BenchDDPConfig, threads: int) -> dict[str, Any]:
 
 def bare(cfg: BenchDDPConfig, workers: int) -> dict[str, Any]:
     """``workers`` ranks of ``bench_ddp_bare`` under torchrun."""
-    with tempfile.TemporaryDirectory(prefix="bench-ddp-") as tmp:
-        result = Path(tmp) / "rank0.json"
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
-            "-m", "raytrain_mp.bench_ddp_bare", "--settings", json.dumps(cfg.settings()), "--result", str(result),
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
-        launched = time.time()
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"torchrun with {workers} workers failed ({done.returncode}): {done.stderr[-2000:]}")
-        figures = json.loads(result.read_text())
+    launched = time.time()
+    figures = torchrun("raytrain_mp.bench_ddp_bare", workers, cfg.settings(), cfg.threads, f"torchrun with {workers} workers")
     return {"workers": workers, "startup_seconds": figures["first_step_at"] - launched, **throughput(figures, workers * cfg.batch_size)}
 
 

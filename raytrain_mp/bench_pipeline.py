@@ -1,4 +1,5 @@
-"""``raytrain-mp bench pipeline``: one process vs naive model parallel vs our pipelined schedules.
+"""``raytrain-mp bench pipeline``: one process vs naive model parallel vs our pipelined schedules
+vs PyTorch's own ``torch.distributed.pipelining``.
 
 Job: time one training step (forward, backward, SGD step) of the same model on the same random
 in-memory batch in each of these ways, and write ``results.json`` plus two plots:
@@ -7,15 +8,24 @@ in-memory batch in each of these ways, and write ``results.json`` plus two plots
 - the same process with gradient accumulation over m micro-batches: on a CPU a smaller
   micro-batch is itself faster per sample (caches), so this separates that gain from the gain of
   overlapping stages;
-- ``PipelineTrainer`` with the seeds' fixed split (``--split-points``, default before ``layer3``)
-  and with time-balanced stages, each for GPipe and 1F1B over every m of ``--microbatches``;
-  GPipe with m=1 is naive model parallelism (the seeds' ``ModelParallelResNet50``).
+- ``PipelineTrainer`` with the seeds' fixed split (``--split-points``, default before ``layer3``),
+  GPipe and 1F1B over every m of ``--microbatches``, and with time-balanced stages (``--balanced``),
+  GPipe only; GPipe with m=1 is naive model parallelism (the seeds' ``ModelParallelResNet50``);
+- the native peer: ``bench_pipeline_native`` under torchrun, one rank per stage with
+  ``--cpus-per-stage`` threads (gloo on CPU, NCCL with a GPU per rank), the seeds'-split stages
+  wrapped in ``torch.distributed.pipelining.PipelineStage`` and run by ``ScheduleGPipe`` and
+  ``Schedule1F1B`` over the same m (``results["native"]``; a (schedule, m) the API refuses, such
+  as 1F1B with m < stages, is listed under ``skipped`` with the reason). ``summary.ours_over_native``
+  is, per schedule and m, native median step seconds / ours on the seeds' split (>1: ours is
+  faster). A failing torchrun fails the benchmark.
 
 Invariants:
 - Every step time is the median of ``--steps`` timed steps after ``--warmup`` untimed ones, with
   min and max (``bench_common``); every variant starts from the same seeded model and batch.
 - A layout's stages start once and the sweep changes only the schedule and m
-  (``PipelineTrainer.set_schedule``), so actor start-up and profiling are never timed.
+  (``PipelineTrainer.set_schedule``), so actor start-up and profiling are never timed; the native
+  ranks likewise build their model once, and their first step of each (schedule, m), which infers
+  the stage's shapes, is a warm-up step.
 - The measured bubble fraction (``PipelineTrainer.stats``) sits next to GPipe's formula
   (p-1)/(m+p-1); peak activation memory per stage is the largest number of micro-batches a stage
   holds under the schedule times the bytes autograd saves for one micro-batch in that stage
@@ -42,6 +52,7 @@ from raytrain_mp.bench_common import (
     pyplot,
     summarize,
     timed,
+    torchrun,
     write_results,
 )
 from raytrain_mp.config import check, check_choice, check_writable, option
@@ -68,12 +79,14 @@ class BenchPipelineConfig:
     image_size: int = option(128, "side of the random square input images in pixels")
     batch_size: int = option(64, "samples per training step")
     num_classes: int = option(1000, "classes of the random labels (the seeds' ResNet-50 has 1000)")
-    stages: int = option(2, "pipeline stages, one Ray actor each")
-    cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
+    stages: int = option(2, "pipeline stages, one Ray actor each (and one torchrun rank each for the native peer)")
+    cpus_per_stage: int = option(1, "CPUs per stage actor and per native rank; also their torch thread count")
     threads: int = option(2, "torch threads of the one-process baseline (default: the stages' CPUs together)")
-    microbatches: tuple[int, ...] = option((1, 2, 4, 8, 16), "micro-batch counts m to sweep (m=1 is always run)")
+    microbatches: tuple[int, ...] = option(
+        (1, 2, 4, 8), "micro-batch counts m to sweep, ours and native (m=1 is always run; 1F1B needs m >= --stages)"
+    )
     split_points: tuple[str, ...] = option(SEEDS_SPLIT, "the fixed split: cut before these modules (the seeds' split)")
-    balanced: bool = option(True, "also run time-balanced stages")
+    balanced: bool = option(True, "also run time-balanced stages (GPipe only)")
     balance_microbatches: int = option(4, "balanced stages are profiled on a micro-batch of batch-size / this")
     steps: int = option(3, "timed steps per figure")
     warmup: int = option(1, "untimed steps before each figure")
@@ -91,7 +104,7 @@ class BenchPipelineConfig:
         check(self.stages >= 2, "stages", f"a pipeline needs at least 2 stages, got {self.stages}")
         check(self.cpus_per_stage >= 1, "cpus_per_stage", f"must be >= 1, got {self.cpus_per_stage}")
         check(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
-        check(len(self.microbatches) >= 1, "microbatches", "give at least one m, e.g. 1,2,4,8,16")
+        check(len(self.microbatches) >= 1, "microbatches", "give at least one m, e.g. 1,2,4,8")
         bad = [m for m in self.microbatches if not 1 <= m <= self.batch_size]
         check(not bad, "microbatches", f"each m must be between 1 and --batch-size {self.batch_size}, got {bad}")
         check(
@@ -152,6 +165,16 @@ def saved_activation_bytes(stages: Sequence[nn.Module], x: Tensor, y: Tensor) ->
         per_stage.append(sum(saved.values()))
         h = out.detach()
     return per_stage
+
+
+def seeded_setup(model_name: str, num_classes: int, image_size: int, batch_size: int, seed: int) -> tuple[nn.Module, Tensor, Tensor]:
+    """The model and random batch (inputs, labels) every variant starts from; the native ranks
+    call it with the same arguments, so they get the same weights and batch."""
+    torch.manual_seed(seed)
+    model = build_model(model_name, num_classes, small_stem=wants_small_stem(image_size))
+    x = torch.randn(batch_size, 3, image_size, image_size)
+    y = torch.randint(num_classes, (batch_size,))
+    return model, x, y
 
 
 def stage_modules(model: nn.Module, stage_blocks: Sequence[Sequence[str]]) -> list[StageModule]:
@@ -229,9 +252,15 @@ def pipeline_run(cfg: BenchPipelineConfig, trainer: PipelineTrainer, x: Tensor, 
 
 
 def layout_runs(
-    cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor, split_points: Sequence[str] | None
+    cfg: BenchPipelineConfig,
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    split_points: Sequence[str] | None,
+    schedules: Sequence[str] = ("gpipe", "1f1b"),
 ) -> dict[str, Any]:
-    """Every (schedule, m) on one partition: the given split points, or time-balanced stages."""
+    """Every (schedule, m) of ``schedules`` on one partition: the given split points, or
+    time-balanced stages."""
     partition: dict[str, Any] = (
         {"split_points": list(split_points)}
         if split_points is not None
@@ -244,7 +273,7 @@ def layout_runs(
         print("stages: " + " | ".join(f"{p['blocks'][0]}..{p['blocks'][-1]}" for p in plan), flush=True)
         runs = [
             pipeline_run(cfg, trainer, x, y, schedule, m)
-            for schedule in ("gpipe", "1f1b")
+            for schedule in schedules
             for m in cfg.sweep
             if schedule == "gpipe" or m >= cfg.stages  # 1F1B needs a micro-batch per stage
         ]
@@ -262,6 +291,42 @@ def layout_runs(
     return {"plan": plan, "runs": runs}
 
 
+def native_settings(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What ``bench_pipeline_native`` needs (plain values, it travels as JSON): the model and batch
+    arguments of ``seeded_setup``, the stages' block names, the sweep and the timing."""
+    return {
+        "model": cfg.model,
+        "num_classes": cfg.num_classes,
+        "image_size": cfg.image_size,
+        "batch_size": cfg.batch_size,
+        "seed": cfg.seed,
+        "threads": cfg.cpus_per_stage,
+        "stage_blocks": [list(stage["blocks"]) for stage in plan],
+        "schedules": ["gpipe", "1f1b"],
+        "microbatches": cfg.sweep,
+        "steps": cfg.steps,
+        "warmup": cfg.warmup,
+    }
+
+
+def native_runs(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """GPipe and 1F1B of ``torch.distributed.pipelining`` on the stages of ``plan``, one torchrun
+    rank per stage; raises ``RuntimeError`` when torchrun fails."""
+    what = f"torch.distributed.pipelining benchmark (torchrun, {cfg.stages} ranks)"
+    native = torchrun("raytrain_mp.bench_pipeline_native", cfg.stages, native_settings(cfg, plan), cfg.cpus_per_stage, what)
+    for run in native["runs"]:
+        progress(f"native {run['schedule']} m={run['microbatches']}", run["step_seconds"])
+        run["samples_per_second"] = cfg.batch_size / run["step_seconds"]["median"]
+    for skip in native["skipped"]:
+        print(f"native {skip['schedule']} m={skip['microbatches']}: skipped, {skip['reason']}", flush=True)
+    return {
+        "api": "torch.distributed.pipelining: PipelineStage + ScheduleGPipe / Schedule1F1B",
+        "launcher": f"torchrun --standalone --nproc-per-node {cfg.stages}",
+        "split": "fixed",
+        **native,
+    }
+
+
 def find_run(layout: dict[str, Any], schedule: str, m: int) -> dict[str, Any] | None:
     return next((r for r in layout["runs"] if r["schedule"] == schedule and r["microbatches"] == m), None)
 
@@ -274,8 +339,10 @@ def best_run(layouts: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     return min(pipelined, key=lambda item: item[1]["step_seconds"]["median"])
 
 
-def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The headline ratios of issue 6's goals (higher is better for every ``*_speedup``)."""
+def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: dict[str, Any]) -> dict[str, Any]:
+    """The headline ratios of issue 6's goals (higher is better for every ``*_speedup``), and ours
+    against the native peer: ``ours_over_native[schedule][m]`` = native / ours step seconds, on
+    the same (seeds') split, schedule and m (>1: ours is faster)."""
     naive = find_run(layouts["fixed"], "gpipe", 1)["step_seconds"]["median"]
     whole = local["whole_batch"]["step_seconds"]["median"]
     name, best = best_run(layouts)
@@ -287,8 +354,19 @@ def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]]) -> dict[s
         "best_vs_naive_speedup": naive / best["step_seconds"]["median"],
         "best_vs_one_process_speedup": whole / best["step_seconds"]["median"],
     }
+    ours_over_native: dict[str, dict[str, float]] = {}
+    for run in native["runs"]:
+        ours = find_run(layouts["fixed"], run["schedule"], run["microbatches"])
+        if ours is not None:
+            ratio = run["step_seconds"]["median"] / ours["step_seconds"]["median"]
+            ours_over_native.setdefault(run["schedule"], {})[str(run["microbatches"])] = ratio
+    _, native_best = best_run({"native": native})
+    result["best_native"] = {"schedule": native_best["schedule"], "microbatches": native_best["microbatches"]}
+    result["best_native_seconds"] = native_best["step_seconds"]["median"]
+    result["ours_over_native"] = ours_over_native
     if "balanced" in layouts:
-        fixed_best = min(r["step_seconds"]["median"] for r in layouts["fixed"]["runs"])
+        # GPipe against GPipe: the balanced layout runs no 1F1B.
+        fixed_best = min(r["step_seconds"]["median"] for r in layouts["fixed"]["runs"] if r["schedule"] == "gpipe")
         balanced_best = min(r["step_seconds"]["median"] for r in layouts["balanced"]["runs"])
         result["balanced_vs_fixed_speedup"] = fixed_best / balanced_best
         at8 = find_run(layouts["balanced"], "gpipe", 8)
@@ -297,8 +375,10 @@ def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]]) -> dict[s
     return result
 
 
-def plot_bars(path: Path, local: dict[str, Any], layouts: dict[str, dict[str, Any]], best: tuple[str, dict[str, Any]]) -> None:
-    """One process / model parallel / pipelined, as the seeds' mp_vs_rn_vs_pp.png."""
+def plot_bars(
+    path: Path, local: dict[str, Any], layouts: dict[str, dict[str, Any]], best: tuple[str, dict[str, Any]], native: dict[str, Any]
+) -> None:
+    """One process / model parallel / pipelined / native pipelined, as the seeds' mp_vs_rn_vs_pp.png."""
     labels = [f"one process\n{local['threads']} threads"]
     figures = [local["whole_batch"]["step_seconds"]]
     if local["grad_accum"]:
@@ -311,22 +391,31 @@ def plot_bars(path: Path, local: dict[str, Any], layouts: dict[str, dict[str, An
     name, run = best
     labels.append(f"pipelined (best)\n{name} {run['schedule']} m={run['microbatches']}")
     figures.append(run["step_seconds"])
+    _, run = best_run({"native": native})
+    labels.append(f"torch pipelining (best)\n{native['split']} {run['schedule']} m={run['microbatches']}")
+    figures.append(run["step_seconds"])
     bar_chart(path, labels, figures, "seconds per training step", "Step time, median of timed steps (whiskers: min-max)")
 
 
-def plot_m_curve(path: Path, cfg: BenchPipelineConfig, local: dict[str, Any], layouts: dict[str, dict[str, Any]]) -> None:
-    """Step time against m for every variant: the seeds' split-size curve."""
+def plot_m_curve(
+    path: Path, cfg: BenchPipelineConfig, local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: dict[str, Any]
+) -> None:
+    """Step time against m for every variant: the seeds' split-size curve; native ones dashed."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    curves = {"one process, grad accum": [local["whole_batch"], *local["grad_accum"]]}
+    curves = {"one process, grad accum": ([local["whole_batch"], *local["grad_accum"]], "-")}
     for name, layout in layouts.items():
         for schedule in ("gpipe", "1f1b"):
-            curves[f"{schedule}, {name} split"] = [r for r in layout["runs"] if r["schedule"] == schedule]
-    for label, runs in curves.items():
+            curves[f"{schedule}, {name} split"] = ([r for r in layout["runs"] if r["schedule"] == schedule], "-")
+    for schedule in ("gpipe", "1f1b"):
+        curves[f"torch {schedule}, {native['split']} split"] = ([r for r in native["runs"] if r["schedule"] == schedule], "--")
+    for label, (runs, style) in curves.items():
+        if not runs:
+            continue
         ms = [r["microbatches"] for r in runs]
         med = [r["step_seconds"]["median"] for r in runs]
         err = [[m - r["step_seconds"]["min"] for m, r in zip(med, runs)], [r["step_seconds"]["max"] - m for m, r in zip(med, runs)]]
-        ax.errorbar(ms, med, yerr=err, marker="o", capsize=3, label=label)
+        ax.errorbar(ms, med, yerr=err, marker="o", capsize=3, linestyle=style, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(cfg.sweep, [str(m) for m in cfg.sweep])
     ax.set_xlabel("micro-batches per step (m)")
@@ -342,31 +431,26 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     """Measure every variant on the connected Ray cluster; write results.json and the plots."""
     started = time.perf_counter()
     host = machine()
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.num_classes, small_stem=wants_small_stem(cfg.image_size))
-    x = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
-    y = torch.randint(cfg.num_classes, (cfg.batch_size,))
+    model, x, y = seeded_setup(cfg.model, cfg.num_classes, cfg.image_size, cfg.batch_size, cfg.seed)
 
     local = one_process(cfg, model, x, y)
     layouts = {"fixed": layout_runs(cfg, model, x, y, cfg.split_points)}
+    native = native_runs(cfg, layouts["fixed"]["plan"])
     if cfg.balanced:
-        layouts["balanced"] = layout_runs(cfg, model, x, y, None)
+        layouts["balanced"] = layout_runs(cfg, model, x, y, None, schedules=("gpipe",))
 
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    plot_bars(out / "step_time_bars.png", local, layouts, best_run(layouts))
-    plot_m_curve(out / "m_curve.png", cfg, local, layouts)
+    plot_bars(out / "step_time_bars.png", local, layouts, best_run(layouts), native)
+    plot_m_curve(out / "m_curve.png", cfg, local, layouts, native)
     results = {
         "benchmark": "pipeline",
         "machine": host,
         "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", "address", "out")},
         "one_process": local,
         "layouts": layouts,
-        "summary": summary(local, layouts),
-        "not_measured": {
-            "native_pipelining": "torch.distributed.pipelining (PipelineStage + ScheduleGPipe/Schedule1F1B "
-            "under torchrun) is not run by this version; DESIGN.md quotes its figures on this machine",
-        },
+        "native": native,
+        "summary": summary(local, layouts, native),
         "elapsed_seconds": time.perf_counter() - started,
     }
     path = write_results(out, results)

@@ -216,7 +216,7 @@ class TrainOptions:
     weights: str | None = option(None, "state dict to start from (a model.pt)")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
     epochs: int = option(6, "training epochs")
-    base_lr: float = option(0.4, "learning rate at --base-batch samples; scaled to the batch")
+    base_lr: float = option(0.1, "learning rate at --base-batch samples; scaled to the batch (Goyal et al.: 0.1 at 256)")
     base_batch: int = option(256, "batch size at which --base-lr applies")
     lr_rule: str = option("linear", "how lr scales with the batch", LR_RULES)
     warmup_epochs: float = option(1.0, "gradual linear warmup from base lr to scaled lr over these epochs")

@@ -69,10 +69,11 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
     local = results["one_process"]
     assert [f["microbatches"] for f in [local["whole_batch"], *local["grad_accum"]]] == [1, 2]
     assert set(results["layouts"]) == {"fixed", "balanced"}
+    expected = {"fixed": {("gpipe", 1), ("gpipe", 2), ("1f1b", 2)}, "balanced": {("gpipe", 1), ("gpipe", 2)}}
     for name, layout in results["layouts"].items():
         assert len(layout["plan"]) == 2
         runs = {(r["schedule"], r["microbatches"]) for r in layout["runs"]}
-        assert runs == {("gpipe", 1), ("gpipe", 2), ("1f1b", 2)}, name  # 1F1B needs m >= stages
+        assert runs == expected[name], name  # 1F1B needs m >= stages; the balanced layout runs GPipe only
         for run in layout["runs"]:
             assert_spread(run["step_seconds"])
             assert len(run["busy_seconds"]) == len(run["peak_activation_bytes"]) == 2
@@ -84,7 +85,34 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
     )
     # 1F1B's last stage holds one micro-batch where GPipe holds both.
     assert one_f2["peak_activation_bytes"][1] < gpipe2["peak_activation_bytes"][1]
+    assert_native(results)
     assert_figures_positive(results)
+
+
+def assert_native(results: dict) -> None:
+    """torch.distributed.pipelining ran on the seeds' split under torchrun: GPipe at every m, 1F1B
+    where the API allows it (m >= stages), each measured pair compared with ours."""
+    native = results["native"]
+    assert native["api"].startswith("torch.distributed.pipelining")
+    assert native["backend"] in ("gloo", "nccl") and native["world"] == 2 and native["threads"] == 1
+    assert native["split"] == "fixed"
+    measured = {(r["schedule"], r["microbatches"]) for r in native["runs"]}
+    assert measured == {("gpipe", 1), ("gpipe", 2), ("1f1b", 2)}
+    for run in native["runs"]:
+        assert set(run) == {"schedule", "microbatches", "step_seconds", "samples_per_second"}
+        assert_spread(run["step_seconds"])
+    (skip,) = native["skipped"]
+    assert (skip["schedule"], skip["microbatches"]) == ("1f1b", 1) and "stages" in skip["reason"]
+    summary = results["summary"]
+    ratios = summary["ours_over_native"]
+    assert {(s, int(m)) for s, by_m in ratios.items() for m in by_m} == measured
+    for schedule, by_m in ratios.items():
+        for m, ratio in by_m.items():
+            native_run = next(r for r in native["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
+            ours = next(r for r in results["layouts"]["fixed"]["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
+            assert math.isclose(ratio, native_run["step_seconds"]["median"] / ours["step_seconds"]["median"])
+    assert (summary["best_native"]["schedule"], summary["best_native"]["microbatches"]) in measured
+    assert summary["best_native_seconds"] == min(r["step_seconds"]["median"] for r in native["runs"] if r["microbatches"] > 1)
 
 
 def test_bench_ddp_smoke(ray_session, tmp_path):

@@ -1,0 +1,120 @@
+"""The native side of ``raytrain-mp bench pipeline``: PyTorch's own ``torch.distributed.pipelining``.
+
+Job: join the process group torchrun describes (gloo on CPU; NCCL with one GPU per rank when the
+machine has a GPU for every rank), build the same seeded model and batch as ``bench_pipeline``
+(``seeded_setup``), take this rank's stage of the given block names (the seeds'-split layout's
+stages, ``stage_modules``), wrap it in ``PipelineStage`` and time one training step
+(``schedule.step``, then SGD with ``bench_pipeline``'s lr and momentum) under ``ScheduleGPipe`` and
+``Schedule1F1B`` for every m of the settings; rank 0 writes the figures as JSON. Run as
+``python -m torch.distributed.run --standalone --nproc-per-node STAGES -m
+raytrain_mp.bench_pipeline_native --settings JSON --result PATH`` (``bench_common.torchrun``).
+
+Invariants:
+- Rank r runs stage r. Every rank builds the same weights and batch (same seed), so rank 0's
+  inputs and the last rank's targets are the batch our pipeline trains on.
+- The loss is cross entropy averaged over each micro-batch and the schedule divides gradients by
+  m (``scale_grads=True``): the gradient of the batch mean, as our stages compute it.
+- A step ends with ``dist.barrier()``, so every rank's timed step spans the whole pipeline step;
+  rank 0's times are reported (``bench_common.timed``: ``warmup`` untimed steps, then ``steps``).
+- Each (schedule, m) gets a fresh ``PipelineStage``: the stage infers its shapes from the first
+  micro-batch of its first step (a real forward and backward, which warm-up absorbs). The model
+  and optimizer state carry over, as they do across our trainer's sweep.
+- A (schedule, m) the API refuses (1F1B with m < stages) or cannot run (m not dividing the batch:
+  receive buffers are sized from one micro-batch) is skipped with the reason, on every rank alike,
+  so no rank waits on a peer that skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from raytrain_mp.bench_common import summarize, timed
+from raytrain_mp.bench_pipeline import seeded_setup, sgd, stage_modules
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def uneven(batch_size: int, m: int) -> str | None:
+    """Why m micro-batches cannot run natively, or None: PipelineStage sizes its buffers once."""
+    if batch_size % m:
+        return (
+            f"{m} micro-batches of a batch of {batch_size} differ in size; PipelineStage sizes its "
+            "receive buffers from the first micro-batch"
+        )
+    return None
+
+
+def measure(settings: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    """Time every (schedule, m) of ``settings`` on this rank's stage; this rank's figures."""
+    torch.set_num_threads(settings["threads"])  # torchrun sets OMP_NUM_THREADS; torch's pool is ours
+    model, x, y = seeded_setup(
+        settings["model"], settings["num_classes"], settings["image_size"], settings["batch_size"], settings["seed"]
+    )
+    stage = stage_modules(model, settings["stage_blocks"])[rank].to(device).train()
+    optimizer = sgd(stage)
+    x, y = x.to(device), y.to(device)
+    runs: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    for name in settings["schedules"]:
+        for m in settings["microbatches"]:
+            reason = uneven(len(x), m)
+            if reason is None:
+                try:
+                    schedule = SCHEDULES[name](PipelineStage(stage, rank, world, device), m, loss_fn=F.cross_entropy)
+                except ValueError as exc:  # the schedule's own check, e.g. 1F1B with m < stages
+                    reason = " ".join(str(exc).split())
+            if reason is not None:
+                skipped.append({"schedule": name, "microbatches": m, "reason": reason})
+                continue
+
+            def step(schedule: Any = schedule) -> None:
+                if rank == 0:
+                    schedule.step(x)
+                elif rank == world - 1:
+                    schedule.step(target=y, return_outputs=False)
+                else:
+                    schedule.step()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dist.barrier()
+
+            seconds = timed(step, settings["warmup"], settings["steps"])
+            runs.append({"schedule": name, "microbatches": m, "step_seconds": summarize(seconds)})
+    return {"runs": runs, "skipped": skipped}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", required=True, help="bench_pipeline.native_settings() as JSON")
+    parser.add_argument("--result", required=True, help="where rank 0 writes its figures")
+    args = parser.parse_args(argv)
+    settings = json.loads(args.settings)
+    local_rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    use_gpu = torch.cuda.device_count() >= world  # one GPU per rank, else every rank on the CPU
+    device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
+    if use_gpu:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    figures = measure(settings, dist.get_rank(), dist.get_world_size(), device)
+    if dist.get_rank() == 0:
+        placed = {"backend": dist.get_backend(), "device": device.type, "world": world, "threads": settings["threads"]}
+        Path(args.result).write_text(json.dumps({**placed, **figures}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
