@@ -162,6 +162,14 @@ def check(condition: bool, name: str, message: str) -> None:
         raise UsageError(f"{flag_name(name)}: {message}")
 
 
+def absolute_path(path: str | None) -> str | None:
+    """A local path made absolute (``~`` expanded), so Ray workers, whose working folder is not the
+    user's, read the same file; URIs and None pass unchanged."""
+    if path is None or "://" in path:
+        return path
+    return str(Path(path).expanduser().resolve())
+
+
 def check_writable(name: str, path: str) -> None:
     """A local folder we can create and write into (URIs are checked by pyarrow at run time)."""
     if "://" in path:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_mp.checkpointing import MODEL_FILE
-from raytrain_mp.config import DDPConfig
+from raytrain_mp.config import DDPConfig, absolute_path
 from raytrain_mp.cluster import check_fits, resolve_use_gpu
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
@@ -28,7 +27,9 @@ def with_checked_data(cfg: DDPConfig) -> DDPConfig:
 
     Needs no Ray, so a bad data set is reported before any cluster resource is requested."""
     data, _ = checked_dataset(cfg.data, cfg.global_batch_size, "--global-batch-size")
-    return dataclasses.replace(cfg, data=data)
+    return dataclasses.replace(
+        cfg, data=absolute_path(data), weights=absolute_path(cfg.weights), resume_from=absolute_path(cfg.resume_from)
+    )
 
 
 def with_cluster_settings(cfg: DDPConfig) -> DDPConfig:
@@ -38,8 +39,7 @@ def with_cluster_settings(cfg: DDPConfig) -> DDPConfig:
         raise UsageError("--precision: fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32")
     check_fits("--num-workers", cfg.num_workers, cfg.cpus_per_worker, 1 if use_gpu else 0)
     name = cfg.name or time.strftime("ddp-%Y%m%d-%H%M%S")
-    storage = cfg.storage_path if "://" in cfg.storage_path else str(Path(cfg.storage_path).expanduser().resolve())
-    return dataclasses.replace(cfg, use_gpu=use_gpu, name=name, storage_path=storage)
+    return dataclasses.replace(cfg, use_gpu=use_gpu, name=name, storage_path=absolute_path(cfg.storage_path))
 
 
 def build_trainer(cfg: DDPConfig, callbacks: Sequence[UserCallback] = ()) -> TorchTrainer:

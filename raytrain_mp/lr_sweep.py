@@ -26,6 +26,7 @@ from typing import Any
 
 from raytrain_mp.config import (
     OPTIMIZERS,
+    absolute_path,
     DDPConfig,
     build_config,
     check,
@@ -189,7 +190,7 @@ def tune_config_from_args(args: argparse.Namespace | dict[str, Any]) -> Any:
     given = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
     if given.get("resume") is None:
         return build_config(TuneConfig, given)
-    resume = str(Path(given["resume"]).expanduser().resolve())
+    resume = absolute_path(given["resume"])
     check((Path(resume) / SWEEP_FILE).is_file(), "resume", f"{given['resume']} holds no {SWEEP_FILE}; accepted: a folder made by raytrain-mp tune")
     # Trials already ran with the saved options; other values would make one sweep of two.
     extra = sorted(set(given) - {"resume", "address", "json"})

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from raytrain_mp.checkpointing import read_checkpoint, rng_states, set_rng_states, write_checkpoint
-from raytrain_mp.config import PipelineConfig, to_yaml
+from raytrain_mp.config import PipelineConfig, absolute_path, to_yaml
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
@@ -74,8 +74,7 @@ def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
     except UsageError as exc:
         raise as_flag_error(exc) from None
     name = cfg.name or time.strftime("pipeline-%Y%m%d-%H%M%S")
-    storage = str(Path(cfg.storage_path).expanduser().resolve())
-    return dataclasses.replace(cfg, data=data, name=name, storage_path=storage)
+    return dataclasses.replace(cfg, data=data, name=name, storage_path=absolute_path(cfg.storage_path))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

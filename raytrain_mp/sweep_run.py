@@ -35,7 +35,7 @@ from ray.tune.schedulers import ASHAScheduler
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from raytrain_mp.cluster import cluster_totals, resolve_use_gpu
-from raytrain_mp.config import DDPConfig, to_yaml
+from raytrain_mp.config import DDPConfig, absolute_path, to_yaml
 from raytrain_mp.data import read_meta
 from raytrain_mp.ddp_trainer import (
     build_trainer,
@@ -63,9 +63,9 @@ def prepared(cfg: Any) -> Any:
         raise UsageError(f"--global-batch-sizes: {too_big[0]} exceeds the {train_count} training samples")
     cfg = dataclasses.replace(
         cfg,
-        data=_absolute(data),
-        weights=_absolute(cfg.weights),
-        storage_path=_absolute(cfg.storage_path),
+        data=absolute_path(data),
+        weights=absolute_path(cfg.weights),
+        storage_path=absolute_path(cfg.storage_path),
         name=cfg.name or time.strftime("tune-%Y%m%d-%H%M%S"),
     )
     if cfg.resume is None and "://" not in cfg.storage_path and (Path(cfg.storage_path) / cfg.name).exists():
@@ -74,12 +74,6 @@ def prepared(cfg: Any) -> Any:
             "or choose another --name"
         )
     return cfg
-
-
-def _absolute(path: str | None) -> str | None:
-    if path is None or "://" in path:
-        return path
-    return str(Path(path).expanduser().resolve())
 
 
 class ReleaseStoppedWorkerGroups(tune.Callback):

@@ -120,7 +120,7 @@ def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 def load_cifar10_source(path: str) -> RawDataset:
     """The python-pickle batches of the CIFAR-10 tarball: data_batch_1..5 train, test_batch val."""
-    root = Path(path)
+    root = Path(path).expanduser()  # the shell leaves a ~ after "cifar10:" alone
     if (root / "cifar-10-batches-py").is_dir():
         root = root / "cifar-10-batches-py"
     if not root.is_dir():
@@ -181,7 +181,7 @@ def load_imagefolder_source(
     path: str, val_fraction: float = 0.2, seed: int = 0, image_size: int | None = None
 ) -> RawDataset:
     """torchvision's ImageFolder layout: PATH/CLASS/IMAGE, or PATH/train/CLASS/... and PATH/val/CLASS/..."""
-    root = Path(path)
+    root = Path(path).expanduser()
     if not root.is_dir():
         raise UsageError(f"imagefolder: no such folder {path}")
     if (root / "train").is_dir() and (root / "val").is_dir():
