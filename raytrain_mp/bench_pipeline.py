@@ -9,8 +9,9 @@ in-memory batch in each of these ways, and write ``results.json`` plus two plots
   micro-batch is itself faster per sample (caches), so this separates that gain from the gain of
   overlapping stages;
 - ``PipelineTrainer`` with the seeds' fixed split (``--split-points``, default before ``layer3``),
-  GPipe and 1F1B over every m of ``--microbatches``, and with time-balanced stages (``--balanced``),
-  GPipe only; GPipe with m=1 is naive model parallelism (the seeds' ``ModelParallelResNet50``);
+  GPipe and 1F1B over m=1 and every m of ``--microbatches``, and with time-balanced stages
+  (``--balanced``), GPipe over ``--microbatches`` only; GPipe with m=1 on the seeds' split is naive
+  model parallelism (the seeds' ``ModelParallelResNet50``);
 - the native peer: ``bench_pipeline_native`` under torchrun, one rank per stage with
   ``--cpus-per-stage`` threads (gloo on CPU, NCCL with a GPU per rank), the seeds'-split stages
   wrapped in ``torch.distributed.pipelining.PipelineStage`` and run by ``ScheduleGPipe`` and
@@ -83,7 +84,9 @@ class BenchPipelineConfig:
     cpus_per_stage: int = option(1, "CPUs per stage actor and per native rank; also their torch thread count")
     threads: int = option(2, "torch threads of the one-process baseline (default: the stages' CPUs together)")
     microbatches: tuple[int, ...] = option(
-        (1, 2, 4, 8), "micro-batch counts m to sweep, ours and native (m=1 is always run; 1F1B needs m >= --stages)"
+        (2, 4, 8),
+        "micro-batch counts m to sweep: ours on both layouts, native, grad accumulation (naive model parallel, "
+        "m=1 on the seeds' split, is always run; 1F1B needs m >= --stages)",
     )
     split_points: tuple[str, ...] = option(SEEDS_SPLIT, "the fixed split: cut before these modules (the seeds' split)")
     balanced: bool = option(True, "also run time-balanced stages (GPipe only)")
@@ -257,6 +260,7 @@ def layout_runs(
     x: Tensor,
     y: Tensor,
     split_points: Sequence[str] | None,
+    microbatches: Sequence[int],
     schedules: Sequence[str] = ("gpipe", "1f1b"),
 ) -> dict[str, Any]:
     """Every (schedule, m) of ``schedules`` on one partition: the given split points, or
@@ -274,7 +278,7 @@ def layout_runs(
         runs = [
             pipeline_run(cfg, trainer, x, y, schedule, m)
             for schedule in schedules
-            for m in cfg.sweep
+            for m in microbatches
             if schedule == "gpipe" or m >= cfg.stages  # 1F1B needs a micro-batch per stage
         ]
     # Activation memory is measured after the timed runs, so it never competes with them for CPUs.
@@ -303,7 +307,7 @@ def native_settings(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) ->
         "threads": cfg.cpus_per_stage,
         "stage_blocks": [list(stage["blocks"]) for stage in plan],
         "schedules": ["gpipe", "1f1b"],
-        "microbatches": cfg.sweep,
+        "microbatches": sorted(cfg.microbatches),
         "steps": cfg.steps,
         "warmup": cfg.warmup,
     }
@@ -386,8 +390,10 @@ def plot_bars(
         labels.append(f"one process\ngrad accum m={accum['microbatches']}")
         figures.append(accum["step_seconds"])
     for name, layout in layouts.items():
-        labels.append(f"model parallel\n{name} split, m=1")
-        figures.append(find_run(layout, "gpipe", 1)["step_seconds"])
+        naive = find_run(layout, "gpipe", 1)
+        if naive is not None:  # the balanced layout runs m=1 only when --microbatches asks for it
+            labels.append(f"model parallel\n{name} split, m=1")
+            figures.append(naive["step_seconds"])
     name, run = best
     labels.append(f"pipelined (best)\n{name} {run['schedule']} m={run['microbatches']}")
     figures.append(run["step_seconds"])
@@ -434,10 +440,10 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     model, x, y = seeded_setup(cfg.model, cfg.num_classes, cfg.image_size, cfg.batch_size, cfg.seed)
 
     local = one_process(cfg, model, x, y)
-    layouts = {"fixed": layout_runs(cfg, model, x, y, cfg.split_points)}
+    layouts = {"fixed": layout_runs(cfg, model, x, y, cfg.split_points, cfg.sweep)}
     native = native_runs(cfg, layouts["fixed"]["plan"])
     if cfg.balanced:
-        layouts["balanced"] = layout_runs(cfg, model, x, y, None, schedules=("gpipe",))
+        layouts["balanced"] = layout_runs(cfg, model, x, y, None, sorted(cfg.microbatches), schedules=("gpipe",))
 
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
