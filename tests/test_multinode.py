@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,18 +21,50 @@ import torch
 from raytrain_mp.models import build_model
 
 
-def start_cluster(worker_nodes: int):
-    from ray.cluster_utils import Cluster
+# The cluster lives in its own process: cluster_utils rebinds (and on shutdown resets) the calling
+# process's internal-KV client, which would break the test session's own Ray for later tests.
+CLUSTER_SCRIPT = """
+import sys
+from ray.cluster_utils import Cluster
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+workers = [cluster.add_node(num_cpus=2) for _ in range(int(sys.argv[1]))]
+cluster.wait_for_nodes()
+print(cluster.address, flush=True)
+for line in sys.stdin:
+    if not line.startswith("remove"):
+        break
+    cluster.remove_node(workers[int(line.split()[1])])
+    print("removed", flush=True)
+cluster.shutdown()
+"""
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    workers = [cluster.add_node(num_cpus=2) for _ in range(worker_nodes)]
-    cluster.wait_for_nodes()
-    return cluster, workers
+
+class TwoNodes:
+    """A head node and one worker node, 2 CPUs each, on this machine."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", CLUSTER_SCRIPT, "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=driver_env(), start_new_session=True,
+        )  # fmt: skip
+        self.address = self.process.stdout.readline().strip()
+        assert self.address, "the cluster process exited before printing its address"
+
+    def remove_worker_node(self) -> None:
+        self.process.stdin.write("remove 0\n")
+        self.process.stdin.flush()
+        assert self.process.stdout.readline().strip() == "removed"
+
+    def shutdown(self) -> None:
+        try:
+            self.process.communicate("stop\n", timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    cluster, _ = start_cluster(1)
+    cluster = TwoNodes()
     yield cluster.address
     cluster.shutdown()
 
@@ -68,7 +102,7 @@ def test_ddp_spread_over_two_nodes_survives_losing_one(digits_dir, tmp_path):
     """SPREAD puts the 2 workers on both nodes; the worker node is removed after the first
     checkpoint. With --max-failures 1 the worker group restarts from that checkpoint on the head
     node, which still holds both workers (SPREAD is a preference, not a requirement), and finishes."""
-    cluster, (worker_node,) = start_cluster(1)
+    cluster = TwoNodes()
     try:
         process = subprocess.Popen(command(
             cluster.address, "ddp", "--data", digits_dir, "--num-workers", "2", "--placement", "SPREAD",
@@ -79,7 +113,7 @@ def test_ddp_spread_over_two_nodes_survives_losing_one(digits_dir, tmp_path):
             assert process.poll() is None and time.time() < deadline, process.communicate()
             time.sleep(0.2)
         time.sleep(2)  # let Ray Train register the checkpoint: epoch 2 needs both workers, so it cannot finish
-        cluster.remove_node(worker_node)
+        cluster.remove_worker_node()
         result, out = finish(process)
     finally:
         cluster.shutdown()
