@@ -138,6 +138,8 @@ def test_resume_finishes_without_rerunning_finished_trials(sweep):
     assert len(rows) == 6 and "unfinished" not in sweep["resumed"]
     assert len(sweep["finished_before"]) >= 2
     for trial, traces in sweep["finished_before"].items():
+        reports, checkpoints = traces
+        assert reports and checkpoints, trial  # a real trace to compare: empty == empty would prove nothing
         assert trial_traces(sweep["experiment"], trial) == traces  # no new report, no new checkpoint
         assert rows[trial]["status"] in ("completed", "stopped")
     assert set(rows) >= set(sweep["finished_before"])
