@@ -1,20 +1,34 @@
 """raytrain_mp: Ray-orchestrated distributed training of PyTorch vision models.
 
-Public names: ``convert_sync_batchnorm``, ``scaled_lr``, ``PipelineTrainer`` (imported lazily so
-``import raytrain_mp`` does not pull in Ray).
+Layout, imports pointing down only (``tests/test_layout.py`` walks them):
+
+- the command line and this facade: ``cli``, ``__init__``;
+- the capabilities, one package each: ``ddp`` (DDP on Ray Train), ``pipeline`` (pipelined model
+  parallelism on stage actors), ``tune`` (learning-rate sweeps, builds on ``ddp``), ``bench``
+  (benchmarks against their bare peers, builds on ``ddp`` and ``pipeline``);
+- the shared layer they all use: ``config`` (option machinery and the common training options),
+  ``checkpointing``, ``lr_schedule``, ``models``, ``optim``, ``cluster``, ``errors``, and ``data``
+  (the Parquet data sets every trainer reads).
+
+Public names: ``convert_sync_batchnorm``, ``scaled_lr``, ``PipelineTrainer``, imported on first use
+so that ``import raytrain_mp`` pulls in neither torch nor Ray.
 """
 
 from __future__ import annotations
 
-from raytrain_mp.lr_schedule import scaled_lr
-from raytrain_mp.sync_batchnorm import convert_sync_batchnorm
+import importlib
+from typing import Any
 
-__all__ = ["PipelineTrainer", "convert_sync_batchnorm", "scaled_lr"]
+_PUBLIC = {
+    "convert_sync_batchnorm": "raytrain_mp.ddp.sync_batchnorm",
+    "scaled_lr": "raytrain_mp.lr_schedule",
+    "PipelineTrainer": "raytrain_mp.pipeline.trainer",
+}
+
+__all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str):
-    if name == "PipelineTrainer":
-        from raytrain_mp.pipeline import PipelineTrainer
-
-        return PipelineTrainer
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'raytrain_mp' has no attribute {name!r}")

@@ -12,11 +12,14 @@ import json
 import sys
 from collections.abc import Sequence
 
-from raytrain_mp.bench_ddp import BenchDDPConfig
-from raytrain_mp.bench_pipeline import BenchPipelineConfig
-from raytrain_mp.config import DDPConfig, PipelineConfig, PrepareConfig, add_arguments, build_config
+from raytrain_mp.bench.ddp import BenchDDPConfig
+from raytrain_mp.bench.pipeline import BenchPipelineConfig
+from raytrain_mp.config import add_arguments, build_config
+from raytrain_mp.data.config import PrepareConfig
+from raytrain_mp.ddp.config import DDPConfig
+from raytrain_mp.pipeline.config import PipelineConfig
 from raytrain_mp.errors import EXIT_USAGE, UsageError
-from raytrain_mp.lr_sweep import TuneConfig
+from raytrain_mp.tune.config import TuneConfig
 
 PROG = "raytrain-mp"
 
@@ -71,14 +74,14 @@ def run_on_ray(cfg, run, as_json: bool, title: str) -> dict:
 
 
 def cmd_ddp(args: argparse.Namespace) -> int:
-    from raytrain_mp.ddp_trainer import run_ddp, with_checked_data
+    from raytrain_mp.ddp.trainer import run_ddp, with_checked_data
 
     run_on_ray(with_checked_data(build_config(DDPConfig, args)), run_ddp, args.json, "ddp training finished")
     return 0
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
-    from raytrain_mp.pipeline_run import run_pipeline, with_checked_inputs
+    from raytrain_mp.pipeline.run import run_pipeline, with_checked_inputs
 
     cfg = with_checked_inputs(build_config(PipelineConfig, args))
     run_on_ray(cfg, run_pipeline, args.json, "pipeline training finished")
@@ -86,15 +89,15 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from raytrain_mp.lr_sweep import tune_config_from_args
-    from raytrain_mp.sweep_run import prepared, run_sweep
+    from raytrain_mp.tune.config import tune_config_from_args
+    from raytrain_mp.tune.sweep import prepared, run_sweep
 
     result = run_on_ray(prepared(tune_config_from_args(args)), run_sweep, args.json, "learning-rate sweep finished")
     return 0 if result["best"] else 1  # every trial failed, or the sweep was interrupted (its "resume" says how to go on)
 
 
 def cmd_bench_pipeline(args: argparse.Namespace) -> int:
-    from raytrain_mp.bench_pipeline import run_bench_pipeline
+    from raytrain_mp.bench.pipeline import run_bench_pipeline
 
     cfg = build_config(BenchPipelineConfig, args)
     run_on_ray(cfg, run_bench_pipeline, args.json, f"pipeline benchmark written to {cfg.out}")
@@ -102,7 +105,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_ddp(args: argparse.Namespace) -> int:
-    from raytrain_mp.bench_ddp import run_bench_ddp
+    from raytrain_mp.bench.ddp import run_bench_ddp
 
     cfg = build_config(BenchDDPConfig, args)
     result = run_bench_ddp(cfg)  # starts Ray itself, after the torchrun runs

@@ -1,4 +1,9 @@
-"""Command configuration: one validated dataclass per command, filled from YAML and flags.
+"""Command configuration machinery and the options every training command shares.
+
+Each command's own validated dataclass lives with its command (``data.config.PrepareConfig``,
+``ddp.config.DDPConfig``, ``pipeline.config.PipelineConfig``, ``tune.config.TuneConfig``, the bench
+configs) and is built from YAML and flags by ``build_config`` here; ``TrainOptions`` holds the
+data, model, optimization and checkpoint options that ddp and pipeline share.
 
 Invariants:
 - Precedence is dataclass default < ``--config FILE`` (YAML) < command-line flag.
@@ -187,31 +192,7 @@ def to_yaml(config: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# Per-command configs.
-
-
-@dataclasses.dataclass
-class PrepareConfig:
-    source: str = option("digits", "digits | synthetic | cifar10:PATH | imagefolder:PATH")
-    out: str = option("", "output folder (written atomically)")
-    val_fraction: float = option(0.2, "share of samples held out for validation (digits, synthetic, imagefolder)")
-    seed: int = option(0, "seed of the split and of synthetic images")
-    rows_per_shard: int = option(10_000, "rows per Parquet shard")
-    num_samples: int = option(2048, "synthetic: number of images")
-    image_size: int | None = option(None, "synthetic: side in pixels (default 32); imagefolder: resize to this side")
-    num_classes: int = option(10, "synthetic: number of classes")
-    channels: int = option(3, "synthetic: image channels")
-    overwrite: bool = option(False, "replace --out if it exists")
-    json: bool = False
-
-    def validate(self) -> None:
-        check(bool(self.out), "out", "an output folder is required")
-        check(0.0 < self.val_fraction < 1.0, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
-        check(self.rows_per_shard >= 1, "rows_per_shard", f"must be >= 1, got {self.rows_per_shard}")
-        check(self.num_samples >= 2, "num_samples", f"must be >= 2, got {self.num_samples}")
-        check(self.image_size is None or self.image_size >= 1, "image_size", f"must be >= 1, got {self.image_size}")
-        check(self.num_classes >= 2, "num_classes", f"must be >= 2, got {self.num_classes}")
-        check(self.channels in (1, 3), "channels", f"accepted: 1 or 3, got {self.channels}")
+# The options every training command shares (each command's own config subclasses it).
 
 
 @dataclasses.dataclass
@@ -274,87 +255,3 @@ class TrainOptions:
         if self.inject_fault is not None:
             parts = self.inject_fault.split(":", 2)
             check(len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit(), "inject_fault", "accepted: INDEX:EPOCH:MARKER")
-
-
-DDP_PLACEMENTS = ("PACK", "SPREAD")
-
-
-@dataclasses.dataclass
-class DDPConfig(TrainOptions):
-    num_workers: int = option(2, "Ray Train workers (DDP ranks)")
-    use_gpu: bool | None = option(None, "one GPU per worker (default: when the cluster has GPUs)")
-    cpus_per_worker: int = option(1, "CPUs per worker; also its torch thread count")
-    global_batch_size: int = option(64, "samples per optimizer step over all workers")
-    grad_accum_steps: int = option(1, "micro-steps accumulated per optimizer step (DDP no_sync)")
-    sync_bn: bool = option(True, "synchronize BatchNorm statistics across workers")
-    placement: str = option("PACK", "worker placement: PACK fills a node first, SPREAD puts one per node where it can", DDP_PLACEMENTS)
-
-    def validate(self) -> None:
-        super().validate()
-        check_choice(self, "placement")
-        check(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
-        check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
-        check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")
-        check(self.grad_accum_steps >= 1, "grad_accum_steps", f"must be >= 1, got {self.grad_accum_steps}")
-        step_batch = self.num_workers * self.grad_accum_steps
-        check(
-            self.global_batch_size % step_batch == 0,
-            "global_batch_size",
-            f"{self.global_batch_size} is not divisible by --num-workers {self.num_workers}"
-            + (f" x --grad-accum-steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else "")
-            + f"; accepted: a multiple of {step_batch}",
-        )
-        check(
-            not (self.precision == "fp16" and self.use_gpu is False),
-            "precision",
-            "fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32",
-        )
-
-
-SCHEDULES = ("gpipe", "1f1b")
-BALANCES = ("time", "params", "none")
-PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
-
-
-@dataclasses.dataclass
-class PipelineConfig(TrainOptions):
-    model: str = option("resnet50", "model architecture", MODEL_NAMES)
-    epochs: int = option(3, "training epochs")
-    base_lr: float = option(0.2, "learning rate at --base-batch samples; scaled to the batch")
-    precision: str = option("fp32", "fp32 | bf16 (autocast) | fp64 (verification)", ("fp32", "bf16", "fp64"))
-    stages: int = option(2, "pipeline stages, one Ray actor each")
-    split_points: list | None = option(None, "cut before these modules, e.g. layer3 (the seeds' split); overrides --balance")
-    balance: str = option("time", "cut stages by measured time, parameter count, or none (= params)", BALANCES)
-    schedule: str = option("gpipe", "pipeline schedule", SCHEDULES)
-    microbatches: int = option(4, "micro-batches per batch (m)")
-    batch_size: int = option(64, "samples per optimizer step")
-    use_gpu: bool | None = option(None, "one GPU per stage (default: when the cluster has GPUs)")
-    cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
-    placement: str = option("STRICT_PACK", "placement group strategy of the stages", PLACEMENTS)
-    deferred_bn: bool = option(False, "BatchNorm running statistics committed once per batch (torchgpipe)")
-    clip_grad_norm: float | None = option(None, "clip the global gradient norm across all stages")
-
-    def validate(self) -> None:
-        super().validate()
-        for name in ("balance", "schedule", "placement"):
-            check_choice(self, name)
-        check(self.stages >= 1, "stages", f"must be >= 1, got {self.stages}")
-        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
-        check(
-            1 <= self.microbatches <= self.batch_size,
-            "microbatches",
-            f"must be between 1 and --batch-size {self.batch_size}, got {self.microbatches}",
-        )
-        check(
-            self.schedule != "1f1b" or self.microbatches >= self.stages,
-            "microbatches",
-            f"1F1B needs at least one micro-batch per stage: --microbatches >= --stages {self.stages}, got {self.microbatches}",
-        )
-        check(self.cpus_per_stage >= 1, "cpus_per_stage", f"must be >= 1, got {self.cpus_per_stage}")
-        check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", f"must be > 0, got {self.clip_grad_norm}")
-        if self.split_points is not None:
-            check(
-                len(self.split_points) == self.stages - 1,
-                "split_points",
-                f"{len(self.split_points)} split point(s) make {len(self.split_points) + 1} stages, not --stages {self.stages}",
-            )

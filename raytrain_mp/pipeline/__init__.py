@@ -2,7 +2,11 @@
 
 Pure pieces (no Ray): ``blocks`` (model -> named blocks), ``partition`` (blocks -> stages),
 ``schedule`` (GPipe, 1F1B), ``microbatch`` (batch -> micro-batches), ``deferred_bn``. Ray pieces:
-``stage`` (one stage's actor body) and ``trainer`` (``PipelineTrainer``, the driver).
+``stage`` (one stage's actor body), ``trainer`` (``PipelineTrainer``, the driver) and ``run`` (the
+``raytrain-mp pipeline`` training run over epochs); ``config`` holds its ``PipelineConfig``.
+
+May import: the shared layer (``raytrain_mp.config``, ``checkpointing``, ``cluster``, ``errors``,
+``lr_schedule``, ``models``, ``optim``) and ``raytrain_mp.data``; no other capability.
 """
 
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model

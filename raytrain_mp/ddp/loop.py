@@ -30,13 +30,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from raytrain_mp.checkpointing import plain_state_dict, read_checkpoint, rng_states, set_rng_states, write_checkpoint
-from raytrain_mp.config import DDPConfig, to_yaml
+from raytrain_mp.config import to_yaml
+from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
-from raytrain_mp.distributed_eval import ShardSampler, all_reduce_sum, evaluate
+from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate
 from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.models import build_model, wants_small_stem
 from raytrain_mp.optim import build_optimizer
-from raytrain_mp.sync_batchnorm import convert_sync_batchnorm
+from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 
 
 def autocast_for(precision: str, device: torch.device):

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torchvision.models import resnet18
 
-from raytrain_mp.sync_batchnorm import PortableSyncBatchNorm, convert_sync_batchnorm
+from raytrain_mp.ddp.sync_batchnorm import PortableSyncBatchNorm, convert_sync_batchnorm
 
 SIZES = (2, 5, 9)
 WORLD_SIZE = len(SIZES)

@@ -11,10 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import assert_usage_error, run_cli
-from raytrain_mp.config import DDPConfig, build_config
+from raytrain_mp.config import build_config
+from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.errors import UsageError
 from raytrain_mp.lr_schedule import scaled_lr
-from raytrain_mp.lr_sweep import (
+from raytrain_mp.tune.config import (
     DEFAULT_BASE_LRS,
     DEFAULT_NUM_SAMPLES,
     NOT_PASSED_ON,
@@ -25,7 +26,7 @@ from raytrain_mp.lr_sweep import (
     trials_that_fit,
     tune_config_from_args,
 )
-from raytrain_mp.sweep_report import COLUMNS, TrialOutcome, best_row, table_rows, write_outputs
+from raytrain_mp.tune.report import COLUMNS, TrialOutcome, best_row, table_rows, write_outputs
 
 
 def make(tmp_path, **flags) -> TuneConfig:

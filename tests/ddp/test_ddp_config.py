@@ -50,7 +50,8 @@ def test_missing_dataset(tmp_path, capsys):
 
 
 def test_yaml_config_and_flags(tmp_path, capsys):
-    from raytrain_mp.config import DDPConfig, build_config
+    from raytrain_mp.config import build_config
+    from raytrain_mp.ddp.config import DDPConfig
 
     path = tmp_path / "c.yaml"
     path.write_text("epochs: 3\nbase-lr: 0.2\nsync_bn: false\nmodel: resnet34\n")

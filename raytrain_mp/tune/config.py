@@ -24,16 +24,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from raytrain_mp.config import (
-    OPTIMIZERS,
-    absolute_path,
-    DDPConfig,
-    build_config,
-    check,
-    check_choice,
-    flag_name,
-    option,
-)
+from raytrain_mp.config import absolute_path, build_config, check, check_choice, flag_name, option
+from raytrain_mp.ddp.config import DDPConfig
+from raytrain_mp.optim import OPTIMIZERS
 from raytrain_mp.errors import UsageError
 
 # Per-trial DDP options: their values come from the search space (keys of a trial's params).

@@ -24,9 +24,10 @@ import pyarrow.csv as pa_csv
 import pyarrow.fs as pa_fs
 import pyarrow.parquet as pq
 
-from raytrain_mp.config import DDPConfig, to_yaml
+from raytrain_mp.config import to_yaml
+from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.lr_schedule import scaled_lr
-from raytrain_mp.lr_sweep import trial_config
+from raytrain_mp.tune.config import trial_config
 
 TABLE_NAME = "sweep_table"
 PLOT_FILE = "sweep_lr.png"

@@ -24,7 +24,8 @@ import pytest
 
 from helpers import assert_usage_error, run_cli, run_cli_json
 from raytrain_mp.cli import main
-from raytrain_mp.config import DDPConfig, build_config
+from raytrain_mp.config import build_config
+from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.lr_schedule import scaled_lr
 
 pytestmark = pytest.mark.usefixtures("ray_session")

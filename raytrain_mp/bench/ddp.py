@@ -3,10 +3,10 @@
 Job: measure steady-state training throughput (samples/s from the median step time after warm-up)
 and start-up time of the same DDP training step launched two ways, for each worker count of
 ``--workers``: by Ray Train (``TorchTrainer``, what ``raytrain-mp ddp`` runs) and by torchrun
-(``bench_ddp_bare``, the shape of the seeds' minimal DDP script); plus one plain process with all
+(``bench.ddp_bare``, the shape of the seeds' minimal DDP script); plus one plain process with all
 the workers' threads as the reference. Writes ``results.json`` and a bar plot.
 
-Why a benchmark loop rather than ``train_loop.train_loop_per_worker``: that loop reads Parquet
+Why a benchmark loop rather than ``ddp.loop.train_loop_per_worker``: that loop reads Parquet
 shards, evaluates and checkpoints every epoch, so its samples/s mixes data loading and I/O into
 the figure. ``measure_steps`` mirrors its training step exactly (seeded model, optional
 synchronized BatchNorm, DDP, the per-step all-reduce of the sample count, the sum loss scaled by
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_mp.bench_common import (
+from raytrain_mp.bench.common import (
     bar_chart,
     check_timing,
     machine,
@@ -45,10 +45,10 @@ from raytrain_mp.bench_common import (
     write_results,
 )
 from raytrain_mp.config import check, check_choice, check_writable, option
-from raytrain_mp.distributed_eval import all_reduce_sum
+from raytrain_mp.ddp.distributed_eval import all_reduce_sum
 from raytrain_mp.models import MODEL_NAMES, build_model, wants_small_stem
 from raytrain_mp.optim import build_optimizer
-from raytrain_mp.sync_batchnorm import convert_sync_batchnorm
+from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 
 DISTINCT_BATCHES = 4  # in-memory batches each worker cycles through
 MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4  # raytrain-mp ddp's defaults
@@ -116,7 +116,7 @@ def measure_steps(settings: dict[str, Any], rank: int, world: int, device: torch
     ]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        # train_loop's step: the global sample count is all-reduced, the loss is a sum scaled by
+        # the DDP loop's step: the global sample count is all-reduced, the loss is a sum scaled by
         # world / count because DDP averages gradients over ranks.
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         (count,) = all_reduce_sum([float(len(y))], device)
@@ -161,9 +161,9 @@ def one_process(cfg: BenchDDPConfig, threads: int) -> dict[str, Any]:
 
 
 def bare(cfg: BenchDDPConfig, workers: int) -> dict[str, Any]:
-    """``workers`` ranks of ``bench_ddp_bare`` under torchrun."""
+    """``workers`` ranks of ``bench.ddp_bare`` under torchrun."""
     launched = time.time()
-    figures = torchrun("raytrain_mp.bench_ddp_bare", workers, cfg.settings(), cfg.threads, f"torchrun with {workers} workers")
+    figures = torchrun("raytrain_mp.bench.ddp_bare", workers, cfg.settings(), cfg.threads, f"torchrun with {workers} workers")
     return {"workers": workers, "startup_seconds": figures["first_step_at"] - launched, **throughput(figures, workers * cfg.batch_size)}
 
 
@@ -182,7 +182,7 @@ def ray_worker(settings: dict[str, Any]) -> None:
 
 
 def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:
-    """``workers`` Ray Train workers, configured as ``ddp_trainer.build_trainer`` configures them."""
+    """``workers`` Ray Train workers, configured as ``ddp.trainer.build_trainer`` configures them."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 

@@ -12,7 +12,7 @@ in-memory batch in each of these ways, and write ``results.json`` plus two plots
   GPipe and 1F1B over m=1 and every m of ``--microbatches``, and with time-balanced stages
   (``--balanced``), GPipe over ``--microbatches`` only; GPipe with m=1 on the seeds' split is naive
   model parallelism (the seeds' ``ModelParallelResNet50``);
-- the native peer: ``bench_pipeline_native`` under torchrun, one rank per stage with
+- the native peer: ``bench.pipeline_native`` under torchrun, one rank per stage with
   ``--cpus-per-stage`` threads (gloo on CPU, NCCL with a GPU per rank), the seeds'-split stages
   wrapped in ``torch.distributed.pipelining.PipelineStage`` and run by ``ScheduleGPipe`` and
   ``Schedule1F1B`` over the same m (``results["native"]``; a (schedule, m) the API refuses, such
@@ -22,7 +22,7 @@ in-memory batch in each of these ways, and write ``results.json`` plus two plots
 
 Invariants:
 - Every step time is the median of ``--steps`` timed steps after ``--warmup`` untimed ones, with
-  min and max (``bench_common``); every variant starts from the same seeded model and batch.
+  min and max (``bench.common``); every variant starts from the same seeded model and batch.
 - A layout's stages start once and the sweep changes only the schedule and m
   (``PipelineTrainer.set_schedule``), so actor start-up and profiling are never timed; the native
   ranks likewise build their model once, and their first step of each (schedule, m), which infers
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from raytrain_mp.bench_common import (
+from raytrain_mp.bench.common import (
     bar_chart,
     check_timing,
     machine,
@@ -296,7 +296,7 @@ def layout_runs(
 
 
 def native_settings(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """What ``bench_pipeline_native`` needs (plain values, it travels as JSON): the model and batch
+    """What ``bench.pipeline_native`` needs (plain values, it travels as JSON): the model and batch
     arguments of ``seeded_setup``, the stages' block names, the sweep and the timing."""
     return {
         "model": cfg.model,
@@ -317,7 +317,7 @@ def native_runs(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dic
     """GPipe and 1F1B of ``torch.distributed.pipelining`` on the stages of ``plan``, one torchrun
     rank per stage; raises ``RuntimeError`` when torchrun fails."""
     what = f"torch.distributed.pipelining benchmark (torchrun, {cfg.stages} ranks)"
-    native = torchrun("raytrain_mp.bench_pipeline_native", cfg.stages, native_settings(cfg, plan), cfg.cpus_per_stage, what)
+    native = torchrun("raytrain_mp.bench.pipeline_native", cfg.stages, native_settings(cfg, plan), cfg.cpus_per_stage, what)
     for run in native["runs"]:
         progress(f"native {run['schedule']} m={run['microbatches']}", run["step_seconds"])
         run["samples_per_second"] = cfg.batch_size / run["step_seconds"]["median"]

@@ -16,7 +16,7 @@ from torch.utils.data import DistributedSampler
 from helpers import assert_usage_error, run_cli
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.sources import make_synthetic_source
-from raytrain_mp.distributed_eval import ShardSampler
+from raytrain_mp.ddp.distributed_eval import ShardSampler
 from raytrain_mp.errors import UsageError
 
 

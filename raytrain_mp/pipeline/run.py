@@ -26,7 +26,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from raytrain_mp.checkpointing import read_checkpoint, rng_states, set_rng_states, write_checkpoint
-from raytrain_mp.config import PipelineConfig, absolute_path, to_yaml
+from raytrain_mp.config import absolute_path, to_yaml
+from raytrain_mp.pipeline.config import PipelineConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError

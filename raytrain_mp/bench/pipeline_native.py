@@ -1,13 +1,13 @@
 """The native side of ``raytrain-mp bench pipeline``: PyTorch's own ``torch.distributed.pipelining``.
 
 Job: join the process group torchrun describes (gloo on CPU; NCCL with one GPU per rank when the
-machine has a GPU for every rank), build the same seeded model and batch as ``bench_pipeline``
+machine has a GPU for every rank), build the same seeded model and batch as ``bench.pipeline``
 (``seeded_setup``), take this rank's stage of the given block names (the seeds'-split layout's
 stages, ``stage_modules``), wrap it in ``PipelineStage`` and time one training step
-(``schedule.step``, then SGD with ``bench_pipeline``'s lr and momentum) under ``ScheduleGPipe`` and
+(``schedule.step``, then SGD with ``bench.pipeline``'s lr and momentum) under ``ScheduleGPipe`` and
 ``Schedule1F1B`` for every m of the settings; rank 0 writes the figures as JSON. Run as
 ``python -m torch.distributed.run --standalone --nproc-per-node STAGES -m
-raytrain_mp.bench_pipeline_native --settings JSON --result PATH`` (``bench_common.torchrun``).
+raytrain_mp.bench.pipeline_native --settings JSON --result PATH`` (``bench.common.torchrun``).
 
 Invariants:
 - Rank r runs stage r. Every rank builds the same weights and batch (same seed), so rank 0's
@@ -15,7 +15,7 @@ Invariants:
 - The loss is cross entropy averaged over each micro-batch and the schedule divides gradients by
   m (``scale_grads=True``): the gradient of the batch mean, as our stages compute it.
 - A step ends with ``dist.barrier()``, so every rank's timed step spans the whole pipeline step;
-  rank 0's times are reported (``bench_common.timed``: ``warmup`` untimed steps, then ``steps``).
+  rank 0's times are reported (``bench.common.timed``: ``warmup`` untimed steps, then ``steps``).
 - Each (schedule, m) gets a fresh ``PipelineStage``: the stage infers its shapes from the first
   micro-batch of its first step (a real forward and backward, which warm-up absorbs). The model
   and optimizer state carry over, as they do across our trainer's sweep.
@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from raytrain_mp.bench_common import summarize, timed
-from raytrain_mp.bench_pipeline import seeded_setup, sgd, stage_modules
+from raytrain_mp.bench.common import summarize, timed
+from raytrain_mp.bench.pipeline import seeded_setup, sgd, stage_modules
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -97,7 +97,7 @@ def measure(settings: dict[str, Any], rank: int, world: int, device: torch.devic
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help="bench_pipeline.native_settings() as JSON")
+    parser.add_argument("--settings", required=True, help="bench.pipeline.native_settings() as JSON")
     parser.add_argument("--result", required=True, help="where rank 0 writes its figures")
     args = parser.parse_args(argv)
     settings = json.loads(args.settings)

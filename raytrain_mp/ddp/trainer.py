@@ -15,11 +15,12 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig,
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_mp.checkpointing import MODEL_FILE
-from raytrain_mp.config import DDPConfig, absolute_path
+from raytrain_mp.config import absolute_path
+from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.cluster import check_fits, resolve_use_gpu
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
-from raytrain_mp.train_loop import train_loop_per_worker
+from raytrain_mp.ddp.loop import train_loop_per_worker
 
 
 def with_checked_data(cfg: DDPConfig) -> DDPConfig:

@@ -1,9 +1,9 @@
 """The bare side of ``raytrain-mp bench ddp``: a minimal torch.distributed DDP script for torchrun.
 
 Job: join the process group torchrun describes (gloo on CPU, NCCL on GPUs), run
-``bench_ddp.measure_steps`` (the same steps the Ray Train side runs) and let rank 0 write its
+``bench.ddp.measure_steps`` (the same steps the Ray Train side runs) and let rank 0 write its
 figures as JSON. Run as
-``python -m torch.distributed.run --standalone --nproc-per-node N -m raytrain_mp.bench_ddp_bare
+``python -m torch.distributed.run --standalone --nproc-per-node N -m raytrain_mp.bench.ddp_bare
 --settings JSON --result PATH``.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from raytrain_mp.bench_ddp import measure_steps
+from raytrain_mp.bench.ddp import measure_steps
 
 
 def main(argv: Sequence[str] | None = None) -> None:

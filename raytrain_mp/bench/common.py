@@ -3,8 +3,8 @@
 Job: keep the benchmarks' method identical, so their figures compare: a figure is the median of
 ``steps`` timed calls after ``warmup`` untimed ones, reported with its min and max; the JSON holds
 the machine (CPU count, GPU names, torch and ray versions, load average) next to the figures.
-``torchrun`` launches the bare torch.distributed peers (``bench_ddp_bare``,
-``bench_pipeline_native``) one way: ``--settings JSON --result PATH``, rank 0 writes the JSON.
+``torchrun`` launches the bare torch.distributed peers (``bench.ddp_bare``,
+``bench.pipeline_native``) one way: ``--settings JSON --result PATH``, rank 0 writes the JSON.
 
 Invariants: ``summarize`` never sees an empty list (``timed`` refuses ``steps < 1``); results are
 written atomically (a half-written ``results.json`` never exists); plots use matplotlib's Agg

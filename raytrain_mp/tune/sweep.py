@@ -35,22 +35,23 @@ from ray.tune.schedulers import ASHAScheduler
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from raytrain_mp.cluster import cluster_totals, resolve_use_gpu
-from raytrain_mp.config import DDPConfig, absolute_path, to_yaml
+from raytrain_mp.config import absolute_path, to_yaml
+from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.data import read_meta
-from raytrain_mp.ddp_trainer import (
+from raytrain_mp.ddp.trainer import (
     build_trainer,
     with_checked_data,
     with_cluster_settings,
 )
 from raytrain_mp.errors import UsageError
-from raytrain_mp.lr_sweep import (
+from raytrain_mp.tune.config import (
     PER_TRIAL,
     SWEEP_FILE,
     TRIAL_DRIVER_CPUS,
     concurrency,
     trial_config,
 )
-from raytrain_mp.sweep_report import TrialOutcome, table_rows, write_file, write_outputs
+from raytrain_mp.tune.report import TrialOutcome, table_rows, write_file, write_outputs
 
 
 def prepared(cfg: Any) -> Any:

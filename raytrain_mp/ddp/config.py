@@ -1,0 +1,45 @@
+"""The validated ``DDPConfig`` of ``raytrain-mp ddp``: the shared training options plus DDP's own.
+
+Pure: no Ray, no writes; ``validate()`` runs before any cluster resource is requested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from raytrain_mp.config import TrainOptions, check, check_choice, option
+
+
+DDP_PLACEMENTS = ("PACK", "SPREAD")
+
+
+@dataclasses.dataclass
+class DDPConfig(TrainOptions):
+    num_workers: int = option(2, "Ray Train workers (DDP ranks)")
+    use_gpu: bool | None = option(None, "one GPU per worker (default: when the cluster has GPUs)")
+    cpus_per_worker: int = option(1, "CPUs per worker; also its torch thread count")
+    global_batch_size: int = option(64, "samples per optimizer step over all workers")
+    grad_accum_steps: int = option(1, "micro-steps accumulated per optimizer step (DDP no_sync)")
+    sync_bn: bool = option(True, "synchronize BatchNorm statistics across workers")
+    placement: str = option("PACK", "worker placement: PACK fills a node first, SPREAD puts one per node where it can", DDP_PLACEMENTS)
+
+    def validate(self) -> None:
+        super().validate()
+        check_choice(self, "placement")
+        check(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
+        check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
+        check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")
+        check(self.grad_accum_steps >= 1, "grad_accum_steps", f"must be >= 1, got {self.grad_accum_steps}")
+        step_batch = self.num_workers * self.grad_accum_steps
+        check(
+            self.global_batch_size % step_batch == 0,
+            "global_batch_size",
+            f"{self.global_batch_size} is not divisible by --num-workers {self.num_workers}"
+            + (f" x --grad-accum-steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else "")
+            + f"; accepted: a multiple of {step_batch}",
+        )
+        check(
+            not (self.precision == "fp16" and self.use_gpu is False),
+            "precision",
+            "fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32",
+        )

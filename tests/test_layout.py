@@ -1,0 +1,145 @@
+"""The package's layout is its architecture: capabilities over a shared layer, imports pointing down.
+
+Layers, top to bottom: the command line (``cli``) and the facade (``raytrain_mp/__init__``); the
+capabilities (``ddp``, ``pipeline``, ``tune``, ``bench``); the shared layer (top-level modules and
+the ``data`` package). A capability uses another only where it builds on it, and its package
+docstring says so. Every import is checked, function-local ones included.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "raytrain_mp"
+
+SHARED_MODULES = {"checkpointing", "cluster", "config", "errors", "lr_schedule", "models", "optim"}
+CAPABILITIES = {"ddp", "pipeline", "tune", "bench"}
+# What each unit may import besides itself. "shared" is the top-level shared modules.
+ALLOWED = {
+    "shared": {"shared"},
+    "data": {"shared"},
+    "ddp": {"shared", "data"},
+    "pipeline": {"shared", "data"},
+    "tune": {"shared", "data", "ddp"},
+    "bench": {"shared", "data", "ddp", "pipeline"},
+    "cli": {"shared", "data", *CAPABILITIES},
+}
+
+
+def unit_of(module: str) -> str:
+    """The layout unit of a dotted module name inside raytrain_mp."""
+    parts = module.split(".")
+    assert parts[0] == "raytrain_mp", module
+    if len(parts) == 1:
+        return "facade"
+    head = parts[1]
+    if head in CAPABILITIES or head == "data":
+        return head
+    if head == "cli":
+        return "cli"
+    return "shared"
+
+
+def imported_modules(source: str) -> set[str]:
+    """Every raytrain_mp module a source file imports (``from raytrain_mp.x import y`` counts as x,
+    and as x.y when that is a module: the import would load it)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "raytrain_mp"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] != "raytrain_mp":
+                continue
+            found.add(node.module)
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                if module_path(candidate) is not None:
+                    found.add(candidate)
+    return found
+
+
+def module_path(module: str) -> Path | None:
+    rel = Path(*module.split(".")[1:])
+    for path in (PACKAGE / rel.with_suffix(".py"), PACKAGE / rel / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def violations(module: str, source: str) -> list[str]:
+    unit = unit_of(module)
+    if unit == "facade":
+        return []
+    found = []
+    for target in sorted(imported_modules(source)):
+        target_unit = unit_of(target)
+        if target_unit != unit and target_unit not in ALLOWED[unit]:
+            found.append(f"{module} ({unit}) imports {target} ({target_unit})")
+    return found
+
+
+def test_the_folder_shows_the_capabilities():
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert packages == CAPABILITIES | {"data"}
+    assert modules == SHARED_MODULES | {"cli"}
+
+
+def test_no_module_imports_from_a_higher_layer():
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        problems += violations(module_name(path), path.read_text())
+    assert problems == []
+
+
+@pytest.mark.parametrize(
+    "module, source, expected",
+    [
+        ("raytrain_mp.models", "from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm", 1),
+        ("raytrain_mp.data.dataset", "def f():\n    from raytrain_mp.cluster import x\n    import raytrain_mp.pipeline.run", 1),
+        ("raytrain_mp.ddp.loop", "from raytrain_mp.pipeline import schedule", 2),
+        ("raytrain_mp.pipeline.run", "from raytrain_mp import tune", 2),  # the facade and tune
+        ("raytrain_mp.tune.sweep", "from raytrain_mp.ddp.trainer import build_trainer\nfrom raytrain_mp.data import read_meta", 0),
+        ("raytrain_mp.config", "from raytrain_mp.cli import main", 1),
+    ],
+)
+def test_the_import_check_catches_upward_and_sideways_imports(module, source, expected):
+    assert len(violations(module, source)) == expected, violations(module, source)
+
+
+@pytest.mark.parametrize("package", sorted(CAPABILITIES | {"data"}))
+def test_each_package_says_its_job_and_what_it_may_import(package):
+    doc = importlib.import_module(f"raytrain_mp.{package}").__doc__
+    assert doc and "May import:" in doc
+    for other in sorted(ALLOWED[package] & CAPABILITIES):
+        assert f"raytrain_mp.{other}" in doc.split("May import:")[1], (package, other)
+
+
+def test_every_module_starts_with_a_docstring():
+    missing = [str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py")) if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert missing == []
+
+
+def test_public_names_import_from_the_top_without_loading_torch_or_ray():
+    code = (
+        "import sys, raytrain_mp\n"
+        "assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"
+        "from raytrain_mp import PipelineTrainer, convert_sync_batchnorm, scaled_lr\n"
+        "print(PipelineTrainer.__name__, convert_sync_batchnorm.__name__, scaled_lr(0.1, 512))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["PipelineTrainer", "convert_sync_batchnorm", "0.2"]
