@@ -225,6 +225,7 @@ class TrainOptions:
     max_failures: int = option(0, "restarts from the last checkpoint after a worker or stage failure")
     resume_from: str | None = option(None, "checkpoint folder (holding model.pt) to resume from")
     log_every: int = option(50, "progress line every this many steps within an epoch (0: off)")
+    verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
     inject_fault: str | None = option(None, "testing: INDEX:EPOCH:MARKER fails worker/stage INDEX once after EPOCH", hidden=True)
     json: bool = False
 

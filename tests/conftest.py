@@ -1,4 +1,10 @@
-"""Shared fixtures: one real local Ray instance per test session, started only by tests that ask."""
+"""Shared fixtures: one real local Ray instance per test session, started only by tests that ask.
+
+The inner loop is ``pytest -m "not slow"`` (a few minutes); tests marked ``slow`` are the
+end-to-end runs of a minute or more, and CI runs everything. Tests mirror the package's layout:
+``tests/ddp``, ``tests/pipeline``, ``tests/tune``, ``tests/bench``, ``tests/data``, and the shared
+layer and whole-project checks at the top.
+"""
 
 from __future__ import annotations
 

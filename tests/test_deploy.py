@@ -30,6 +30,78 @@ def test_cluster_configs_pass_ray_validation(path):
         validate_config(prepare_config(broken))
 
 
+# GPUs per instance of the AWS types named in our configs (AWS's published g5 sizes), so a declared
+# `resources` entry cannot claim more than the machine has.
+AWS_GPUS = {"m5.2xlarge": 0, "g5.2xlarge": 1, "g5.12xlarge": 4}
+
+
+def declared_node_types(config: dict) -> dict[str, dict[str, float]]:
+    """Resources of one node of each type, as the YAML declares them."""
+    return {name: dict(node["resources"]) for name, node in config["available_node_types"].items()}
+
+
+def submitted_jobs() -> list[tuple[str, list[str]]]:
+    """(jobs/ script, its arguments) of every `ray job submit` in the README."""
+    from test_readme import readme_commands
+
+    jobs = []
+    for command in readme_commands():
+        if command.startswith("ray job submit"):
+            words = command.split(" -- python ")[1].split()
+            jobs.append((words[0], words[1:]))
+    return jobs
+
+
+def one_node_demand(script: str, args: list[str]) -> tuple[float, float]:
+    """(CPUs, GPUs) a README job needs on a single node: the pipeline keeps its stages on one node
+    (STRICT_PACK); DDP's workers are asked to fit on one box too, the README's one-box promise."""
+    from raytrain_mp.config import build_config
+    from raytrain_mp.ddp.config import DDPConfig
+    from raytrain_mp.pipeline.config import PipelineConfig
+    from raytrain_mp.cli import build_parser
+
+    command = {"jobs/ddp_resnet.py": "ddp", "jobs/pipeline_resnet.py": "pipeline"}[script]
+    given = vars(build_parser().parse_args([command, *args]))
+    given = {k: v for k, v in given.items() if k not in ("handler", "command", "json")}
+    if command == "pipeline":
+        cfg = build_config(PipelineConfig, given)
+        assert cfg.placement == "STRICT_PACK"
+        return cfg.stages * cfg.cpus_per_stage, cfg.stages * bool(cfg.use_gpu)
+    cfg = build_config(DDPConfig, given)
+    return cfg.num_workers * cfg.cpus_per_worker, cfg.num_workers * bool(cfg.use_gpu)
+
+
+def unplaceable_jobs(config: dict) -> list[str]:
+    """The README's submitted training jobs that no single node type of ``config`` can hold."""
+    types = declared_node_types(config)
+    problems = []
+    for script, args in submitted_jobs():
+        if script == "jobs/tune_lr.py":
+            continue  # one DDP run per trial: the ddp job's check covers its workers
+        cpus, gpus = one_node_demand(script, args)
+        if not any(r.get("CPU", 0) >= cpus and r.get("GPU", 0) >= gpus for r in types.values()):
+            problems.append(f"{script} {' '.join(args)} needs {cpus:g} CPUs and {gpus:g} GPUs on one node")
+    return problems
+
+
+def test_declared_gpus_match_the_instance_types():
+    config = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    for name, node in config["available_node_types"].items():
+        assert node["resources"].get("GPU", 0) == AWS_GPUS[node["node_config"]["InstanceType"]], name
+
+
+def test_readme_jobs_can_be_placed_on_the_cluster_node_types():
+    config = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    assert len(submitted_jobs()) >= 2
+    assert unplaceable_jobs(config) == []
+    # The node type cluster.yaml had before: one A10G per node cannot hold a 2-stage GPU pipeline.
+    old = copy.deepcopy(config)
+    old["available_node_types"]["gpu_worker"]["node_config"]["InstanceType"] = "g5.2xlarge"
+    old["available_node_types"]["gpu_worker"]["resources"] = {"CPU": 8, "GPU": AWS_GPUS["g5.2xlarge"]}
+    problems = unplaceable_jobs(old)
+    assert any(p.startswith("jobs/pipeline_resnet.py --stages 2 --use-gpu") and "2 GPUs on one node" in p for p in problems), problems
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,6 +170,7 @@ def submit(env: dict, address: str, *job_args: str) -> tuple[str, str]:
     return status, logs.stdout
 
 
+@pytest.mark.slow
 def test_job_submit_trains_and_checkpoints(head_node, tmp_path):
     env, address = head_node
     runs = tmp_path / "runs"
@@ -110,6 +183,7 @@ def test_job_submit_trains_and_checkpoints(head_node, tmp_path):
     assert list(runs.glob("job/checkpoint_*/model.pt"))
 
 
+@pytest.mark.slow
 def test_job_submit_bad_argument_fails_with_one_line(head_node):
     env, address = head_node
     status, logs = submit(env, address, "jobs/ddp_resnet.py", "--num-workers", "2", "--global-batch-size", "63")

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow  # a simulated two-node cluster and DDP/pipeline runs on it
 import torch
 
 from raytrain_mp.models import build_model

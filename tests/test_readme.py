@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # the main job, sweeps and benches as a user types them: minutes
+
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 
@@ -26,6 +28,7 @@ GPU = "needs CUDA GPUs"
 CLOUD = "needs a cloud account or remote machines"
 NOT_HERE = {
     "pip install -e '.[test]' && pytest": "this is .ci/run itself",
+    'pytest -m "not slow"': "the test suite itself, less its slow tests",
     "raytrain-mp pipeline --use-gpu --stages 4 --balance time --data data/cifar10": GPU,
     "ray start --head --num-gpus=4": GPU + " (Ray would advertise 4 GPUs that are not there)",
     "raytrain-mp ddp --address auto --num-workers 4 --use-gpu": GPU,

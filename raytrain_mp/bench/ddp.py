@@ -71,6 +71,7 @@ class BenchDDPConfig:
     lr: float = option(0.01, "SGD learning rate")
     seed: int = option(0, "seed of the model and the random data")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
+    verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
     json: bool = False
 
     def validate(self) -> None:
@@ -88,7 +89,7 @@ class BenchDDPConfig:
 
     def settings(self) -> dict[str, Any]:
         """What a worker needs (plain values: it travels as JSON to torchrun and to Ray workers)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("out", "address", "json", "workers")}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("out", "address", "json", "workers", "verbose")}
 
 
 def measure_steps(settings: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, float]:
@@ -183,10 +184,10 @@ def ray_worker(settings: dict[str, Any]) -> None:
 
 def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:
     """``workers`` Ray Train workers, configured as ``ddp.trainer.build_trainer`` configures them."""
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain_mp.cluster import check_fits
+    from raytrain_mp.cluster import check_fits, train_log_level
 
     use_gpu = torch.cuda.is_available()
     check_fits("--workers", workers, cfg.threads, 1 if use_gpu else 0)
@@ -197,7 +198,11 @@ def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:
         scaling_config=ScalingConfig(
             num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": cfg.threads, **({"GPU": 1} if use_gpu else {})}
         ),
-        run_config=RunConfig(name=f"bench-ddp-{workers}-{time.strftime('%H%M%S')}", storage_path=storage),
+        run_config=RunConfig(
+            name=f"bench-ddp-{workers}-{time.strftime('%H%M%S')}",
+            storage_path=storage,
+            logging_config=LoggingConfig(log_level=train_log_level(cfg.verbose)),
+        ),
     )
     launched = time.time()
     figures = trainer.fit().metrics
@@ -222,7 +227,7 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
     ray_was_running = ray.is_initialized()
     reference = one_process(cfg, cfg.threads * max(cfg.workers))
     bare_runs = [bare(cfg, w) for w in cfg.workers]
-    with ray_connection(cfg.address), tempfile.TemporaryDirectory(prefix="bench-ddp-ray-") as storage:
+    with ray_connection(cfg.address, cfg.verbose), tempfile.TemporaryDirectory(prefix="bench-ddp-ray-") as storage:
         ray_runs = [ours(cfg, w, storage) for w in cfg.workers]
     ratios = {
         str(b["workers"]): r["samples_per_second"]["median"] / b["samples_per_second"]["median"]

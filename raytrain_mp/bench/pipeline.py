@@ -95,6 +95,7 @@ class BenchPipelineConfig:
     warmup: int = option(1, "untimed steps before each figure")
     seed: int = option(0, "seed of the model and the random batch")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
+    verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
     json: bool = False
 
     def validate(self) -> None:
@@ -452,7 +453,7 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     results = {
         "benchmark": "pipeline",
         "machine": host,
-        "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", "address", "out")},
+        "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", "address", "out", "verbose")},
         "one_process": local,
         "layouts": layouts,
         "native": native,

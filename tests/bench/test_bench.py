@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from helpers import assert_usage_error, run_cli, run_cli_json
 
 # Figures that may be zero: a share of idle time, or a distance from a formula.
@@ -54,6 +56,7 @@ def assert_spread(figure: dict) -> None:
     assert figure["min"] <= figure["median"] <= figure["max"]
 
 
+@pytest.mark.slow
 def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
     out = tmp_path / "pipeline"
     summary = run_cli_json(
@@ -115,6 +118,7 @@ def assert_native(results: dict) -> None:
     assert summary["best_native_seconds"] == min(r["step_seconds"]["median"] for r in native["runs"] if r["microbatches"] > 1)
 
 
+@pytest.mark.slow
 def test_bench_ddp_smoke(ray_session, tmp_path):
     out = tmp_path / "ddp"
     summary = run_cli_json(

@@ -13,7 +13,7 @@ import torch
 from helpers import run_cli_json
 from raytrain_mp.models import build_model
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # fp64 and fp32 DDP runs
 
 # Even float64 training is chaotic: measured here, 1- and 2-worker runs agree to 1e-14 after one
 # step, but at peak lr 0.2 differ by 5e-10 of a layer4 running variance after 11 steps and by 3.6e-8

@@ -28,7 +28,7 @@ from raytrain_mp.config import build_config
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.lr_schedule import scaled_lr
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # real sweeps
 
 BATCHES, LRS, EPOCHS = (64, 128), (0.05, 0.2, 0.8), 2
 

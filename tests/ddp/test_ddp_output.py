@@ -1,0 +1,54 @@
+"""What a newcomer sees: the main job prints its own lines only, and ``--verbose`` brings Ray's back.
+
+The command runs as a user types it (a subprocess, a fresh HOME, no RAY_ADDRESS), so it starts its
+own local Ray, also while this test session's Ray is up (a second Ray on the machine used to make
+Ray Train's placement-group cleaner die with a traceback).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+
+# Every line the tool itself prints on a successful run.
+OWN_LINES = [
+    r"local Ray started; dashboard at http://127\.0\.0\.1:\d+",
+    r"\d+ workers? on \d+ nodes?",
+    r"epoch \d+/\d+ train_loss \S+ val_loss \S+ val_accuracy \S+ samples/s \S+ lr \S+",
+    r"epoch \d+ step \d+/\d+ loss \S+",
+    r"ddp training finished",
+    r"  \w+: .+",
+]
+
+
+def run_main_job(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYTRAIN_MP_CACHE")}
+    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
+    done = subprocess.run(
+        ["raytrain-mp", "ddp", "--epochs", "1", *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    return done
+
+
+@pytest.mark.slow
+def test_main_job_prints_only_its_own_lines(tmp_path):
+    done = run_main_job(tmp_path)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    foreign = [line for line in lines if not any(re.fullmatch(pattern, line) for pattern in OWN_LINES)]
+    assert foreign == [], foreign
+    assert any(line.startswith("epoch 1/1 ") for line in lines) and "ddp training finished" in lines
+
+
+@pytest.mark.slow
+def test_verbose_brings_back_rays_lines(tmp_path):
+    done = run_main_job(tmp_path, "--verbose")
+    out = done.stdout + done.stderr
+    assert "Started training worker group of size 2" in out  # Ray Train's controller, at INFO
+    assert "Started a local Ray instance" in out  # Ray's driver, at INFO
+    assert re.search(r"^.*epoch 1/1 train_loss", out, re.M)
