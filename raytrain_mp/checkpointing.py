@@ -8,12 +8,18 @@ A checkpoint folder holds:
   grad scaler, epoch and step counters, RNG states.
 - ``config.yaml``: the command's configuration, for humans and for ``--config``.
 
+Beside a run's checkpoint folders, ``result.json`` holds the summary of the last time the run
+finished, so a rerun of a finished run prints it without starting Ray.
+
 Invariant: a folder is written completely into a fresh temporary directory before anyone (Ray's
-persistence layer, a rename) publishes it, so a crash never leaves a half-written checkpoint.
+persistence layer, a rename) publishes it, so a crash never leaves a half-written checkpoint;
+``result.json`` is replaced atomically too.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import tempfile
 from pathlib import Path
@@ -26,6 +32,7 @@ from torch import nn
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
 CONFIG_FILE = "config.yaml"
+RESULT_FILE = "result.json"
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -59,3 +66,23 @@ def read_checkpoint(folder: str | Path) -> tuple[dict, dict]:
     model_state = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=True)
     train_state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
     return model_state, train_state
+
+
+def write_result(run_dir: str, result: dict[str, Any]) -> None:
+    """Save a finished run's summary next to its checkpoints (local and mounted folders only)."""
+    if "://" in run_dir:
+        return
+    path = Path(run_dir) / RESULT_FILE
+    fd, tmp = tempfile.mkstemp(prefix=".result-", dir=run_dir)
+    with os.fdopen(fd, "w") as f:
+        json.dump(result, f, default=str)
+    os.replace(tmp, path)
+
+
+def finished_result(run_dir: str, epochs: int) -> dict[str, Any] | None:
+    """The saved summary of the run in ``run_dir`` when it has finished ``epochs`` or more epochs."""
+    path = Path(run_dir) / RESULT_FILE
+    if "://" in run_dir or not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    return result if (result.get("epochs") or 0) >= epochs else None

@@ -67,16 +67,32 @@ def run_on_ray(cfg, run, as_json: bool, title: str) -> dict:
     after the config and its data passed every check."""
     from raytrain_mp.cluster import ray_connection
 
-    with ray_connection(cfg.address):
+    with ray_connection(cfg.address, cfg.verbose):
         result = run(cfg)
     emit(result, as_json, title)
     return result
 
 
+def finished_already(cfg, command: str, as_json: bool) -> bool:
+    """A rerun of a finished run (same ``--storage-path`` and ``--name``, no more ``--epochs``)
+    prints that run's summary and starts nothing; more epochs continue it."""
+    from raytrain_mp.checkpointing import finished_result
+    from raytrain_mp.config import absolute_path
+
+    if cfg.name is None:
+        return False
+    result = finished_result(f"{absolute_path(cfg.storage_path).rstrip('/')}/{cfg.name}", cfg.epochs)
+    if result is not None:
+        emit(result, as_json, f"{command} run {cfg.name} already finished {result['epochs']} epochs (raise --epochs to continue it)")
+    return result is not None
+
+
 def cmd_ddp(args: argparse.Namespace) -> int:
     from raytrain_mp.ddp.trainer import run_ddp, with_checked_data
 
-    run_on_ray(with_checked_data(build_config(DDPConfig, args)), run_ddp, args.json, "ddp training finished")
+    cfg = with_checked_data(build_config(DDPConfig, args))
+    if not finished_already(cfg, "ddp", args.json):
+        run_on_ray(cfg, run_ddp, args.json, "ddp training finished")
     return 0
 
 
@@ -84,7 +100,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     from raytrain_mp.pipeline.run import run_pipeline, with_checked_inputs
 
     cfg = with_checked_inputs(build_config(PipelineConfig, args))
-    run_on_ray(cfg, run_pipeline, args.json, "pipeline training finished")
+    if not finished_already(cfg, "pipeline", args.json):
+        run_on_ray(cfg, run_pipeline, args.json, "pipeline training finished")
     return 0
 
 

@@ -1,41 +1,130 @@
 """Connecting to Ray and checking that a job's resource request fits, before anything is scheduled.
 
 Invariants: an explicit ``--address`` (or ``RAY_ADDRESS``, as ``ray job submit`` sets it) joins that
-cluster; otherwise a local Ray is started with this machine's CPUs and GPUs and shut down by the
-caller that started it. A request larger than the cluster is a ``UsageError`` naming the option,
+cluster, after a probe that answers within ``CONNECT_TIMEOUT_S`` (an unreachable address is one
+``UsageError`` line, never Ray's minutes of retries); otherwise a new local Ray is started
+(``address="local"``, whatever a stale ``ray start`` left in Ray's temp dir) with this machine's
+CPUs and GPUs and shut down by the caller that started it. A request larger than the cluster is a ``UsageError`` naming the option,
 raised before any actor or worker starts (a Ray Train or Tune job would otherwise wait forever).
+
+Quiet by default: the terminal shows the commands' own lines and Ray's warnings and errors; Ray's
+informational lines (and the known-harmless notices in ``HARMLESS_NOTICES``) stay in Ray's log
+files, and ``verbose`` brings them back. This is done with Ray's and Python's logging settings
+(the driver's ``logging_level``, Ray Train's ``LoggingConfig``), never by filtering output text.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from contextlib import contextmanager
+import socket
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import ray
 
 from raytrain_mp.errors import UsageError
 
+# (logger, message start) of notices that say nothing a user must act on here: a locally started
+# Ray enables token authentication by itself and says so at WARNING on every start.
+HARMLESS_NOTICES = (("ray._private.authentication.authentication_token_setup", "Token authentication is enabled"),)
+
 
 @contextmanager
-def ray_connection(address: str | None) -> Iterator[bool]:
+def ray_connection(address: str | None, verbose: bool = False) -> Iterator[bool]:
     """Yield True when this call started (and will stop) a local Ray instance."""
     if ray.is_initialized():
         yield False
         return
     address = address or os.environ.get("RAY_ADDRESS")
     quiet_ray_train_logs()
+    if not verbose:
+        silence_harmless_notices()
+    # The driver's Ray logger, and the root and Ray loggers of every task and actor of this job.
+    level = "INFO" if verbose else "WARNING"
+    logs = dict(log_to_driver=True, logging_level=level, logging_config=ray.LoggingConfig(encoding="TEXT", log_level=level))
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=reachable(address), **logs)
     else:
+        # A local Ray cannot be preempted, and Ray Train's preemption watcher logs a
+        # core_worker error line (its constructor arguments live in the object store) at every start.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         # The dashboard is where users watch a local run, and Ray Train's placement-group cleaner
-        # polls the state API it serves (without it, a warning every second).
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=True, log_to_driver=True)
+        # polls the state API it serves (without it, a warning every second). The cleaner finds that
+        # API through RAY_API_SERVER_ADDRESS, which every Ray process inherits from this one; without
+        # it, a second Ray on the machine makes the cleaner die with "Found multiple active Ray instances".
+        port = free_port()
+        previous = os.environ.get("RAY_API_SERVER_ADDRESS")
+        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+        try:
+            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_port=port, **logs)
+        finally:
+            if previous is None:
+                del os.environ["RAY_API_SERVER_ADDRESS"]
+            else:
+                os.environ["RAY_API_SERVER_ADDRESS"] = previous
+        print(f"local Ray started; dashboard at http://127.0.0.1:{port}", flush=True)
     try:
         yield not address
     finally:
         if not address:
             ray.shutdown()
+
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+def reachable(address: str, option: str = "--address") -> str:
+    """``address`` (``auto`` resolved to the cluster ``ray start`` registered) once its GCS port
+    accepts a connection; a ``UsageError`` naming ``option`` otherwise. Client (``ray://``)
+    addresses are left to Ray."""
+    if "://" in address:
+        return address
+    from ray._private.services import canonicalize_bootstrap_address
+
+    accepted = "accepted: HOST:PORT of a running cluster's head (as `ray start --head` printed), auto, or no --address for a new local Ray"
+    try:
+        resolved = canonicalize_bootstrap_address(address) or ""
+    except (ConnectionError, ValueError) as exc:  # auto with no running cluster; not HOST:PORT
+        raise UsageError(f"{option}: {address}: {' '.join(str(exc).split())}; {accepted}") from None
+    host, _, port = resolved.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"{option}: {address!r} is not HOST:PORT; {accepted}")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UsageError(f"{option}: no Ray cluster answers at {resolved} ({reason}); {accepted}") from None
+    return resolved
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _DropNotice(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+def silence_harmless_notices() -> None:
+    for logger_name, start in HARMLESS_NOTICES:
+        logger = logging.getLogger(logger_name)
+        if not any(isinstance(f, _DropNotice) and f.start == start for f in logger.filters):
+            logger.addFilter(_DropNotice(start))
+
+
+def train_log_level(verbose: bool) -> str:
+    """Ray Train's console log level (``RunConfig.logging_config``): its INFO lines (resource
+    requests, the worker group's table, checkpoint paths) only with ``verbose``; its log files
+    keep them either way."""
+    return "INFO" if verbose else "WARNING"
 
 
 def quiet_ray_train_logs() -> None:

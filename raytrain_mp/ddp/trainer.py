@@ -11,13 +11,13 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raytrain_mp.checkpointing import MODEL_FILE
+from raytrain_mp.checkpointing import MODEL_FILE, write_result
 from raytrain_mp.config import absolute_path
 from raytrain_mp.ddp.config import DDPConfig
-from raytrain_mp.cluster import check_fits, resolve_use_gpu
+from raytrain_mp.cluster import check_fits, resolve_use_gpu, train_log_level
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
 from raytrain_mp.ddp.loop import train_loop_per_worker
@@ -59,6 +59,7 @@ def build_trainer(cfg: DDPConfig, callbacks: Sequence[UserCallback] = ()) -> Tor
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_to_keep),
             callbacks=list(callbacks),
+            logging_config=LoggingConfig(log_level=train_log_level(cfg.verbose)),
         ),
     )
 
@@ -89,5 +90,6 @@ def run_ddp(cfg: DDPConfig) -> dict:
 
     ``cfg`` must have passed ``with_checked_data``."""
     cfg = with_cluster_settings(cfg)
-    result = build_trainer(cfg).fit()
-    return summarize(result, cfg)
+    summary = summarize(build_trainer(cfg).fit(), cfg)
+    write_result(summary["run"], summary)
+    return summary

@@ -10,6 +10,12 @@ Reads top to bottom like the DDP loop, but on the driver: data, model, restore, 
   temporary folder and renamed into ``STORAGE/NAME/checkpoint_EEEEEE``, so it is never half there.
 - A stage failure (``StageFailedError``) with failures left rebuilds every stage from the newest
   checkpoint (or the initial model when there is none yet) and continues from there.
+- The stage split is part of the run: checkpoints record it (``train_state["split_points"]``, the
+  first block of every stage but the first), and a resume, rerun or restart cuts the model there
+  instead of balancing again, since each stage's optimizer state fits only its own parameters. A
+  different ``--split-points`` or ``--stages`` on resume is one error line, before Ray starts.
+- A rerun of a finished run (``result.json`` beside the checkpoints) prints its summary and starts
+  nothing (``cli``).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from raytrain_mp.checkpointing import read_checkpoint, rng_states, set_rng_states, write_checkpoint
+from raytrain_mp.checkpointing import STATE_FILE, read_checkpoint, rng_states, set_rng_states, write_checkpoint, write_result
 from raytrain_mp.config import absolute_path, to_yaml
 from raytrain_mp.pipeline.config import PipelineConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta
@@ -75,7 +81,34 @@ def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
     except UsageError as exc:
         raise as_flag_error(exc) from None
     name = cfg.name or time.strftime("pipeline-%Y%m%d-%H%M%S")
-    return dataclasses.replace(cfg, data=data, name=name, storage_path=absolute_path(cfg.storage_path))
+    cfg = dataclasses.replace(cfg, data=data, name=name, storage_path=absolute_path(cfg.storage_path))
+    return with_saved_split(cfg, names)
+
+
+def resume_point(cfg: PipelineConfig) -> Path | None:
+    """The checkpoint a run continues from: its own newest, else ``--resume-from``."""
+    return latest_checkpoint(Path(cfg.storage_path) / cfg.name) or (Path(cfg.resume_from) if cfg.resume_from else None)
+
+
+def with_saved_split(cfg: PipelineConfig, names: list[str]) -> PipelineConfig:
+    """``cfg`` cut where the checkpoint it resumes from was cut; a different cut of the model's
+    blocks ``names`` is a UsageError."""
+    resume = resume_point(cfg)
+    if resume is None or not (resume / STATE_FILE).is_file():
+        return cfg
+    saved = torch.load(resume / STATE_FILE, map_location="cpu", weights_only=False).get("split_points")
+    if saved is None:  # a checkpoint from before splits were recorded: balance again
+        return cfg
+    where = f"{resume} was trained with {len(saved) + 1} stages cut before {','.join(saved) or '(nothing)'}"
+    same_cut = cfg.split_points is None or split_bounds(names, cfg.split_points, cfg.stages) == split_bounds(names, saved, len(saved) + 1)
+    if not same_cut:
+        raise UsageError(
+            f"--split-points: {where}, not {','.join(cfg.split_points)}; "
+            f"accepted: --split-points {','.join(saved)} (or none), or a new --name to start over"
+        )
+    if cfg.stages != len(saved) + 1:
+        raise UsageError(f"--stages: {where}, not {cfg.stages}; accepted: --stages {len(saved) + 1}, or a new --name to start over")
+    return dataclasses.replace(cfg, split_points=saved)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -141,7 +174,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     failures = 0
     while True:
         # A rerun of the same name, or a restart after a stage failure, continues from the newest checkpoint.
-        resume = latest_checkpoint(run_dir) or (Path(cfg.resume_from) if cfg.resume_from else None)
+        resume = resume_point(cfg)
         start_epoch, optimizer_states = 0, None
         if resume is not None:
             model_state, train_state = read_checkpoint(resume)
@@ -154,6 +187,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             trainer = make_trainer(cfg, model, schedule(start_epoch * steps_per_epoch), sample)
         except UsageError as exc:
             raise as_flag_error(exc) from None
+        # Restarts keep this cut, also when they come before the first checkpoint.
+        cfg = dataclasses.replace(cfg, split_points=[plan.blocks[0] for plan in trainer.plan[1:]])
         try:
             if optimizer_states is not None:
                 trainer.load_optimizer_state_dicts(optimizer_states)
@@ -162,7 +197,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 print(f"{describe(plan)} on node {node[:8]}", flush=True)
             summary = train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, start_epoch, run_dir)
             stages = [{**dataclasses.asdict(plan), "node_id": node} for plan, node in zip(trainer.plan, trainer.nodes)]
-            return {**summary, "num_nodes": len(set(trainer.nodes)), "stages": stages, "run": str(run_dir)}
+            result = {**summary, "num_nodes": len(set(trainer.nodes)), "stages": stages, "run": str(run_dir)}
+            write_result(str(run_dir), result)
+            return result
         except StageFailedError as exc:
             if failures >= cfg.max_failures:
                 raise
@@ -218,7 +255,12 @@ def train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, 
         if not math.isfinite(metrics["train_loss"]):
             raise FloatingPointError(f"non-finite training loss at epoch {epoch + 1}; lower --base-lr")
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
-            train_state = {"optimizer": trainer.optimizer_state_dicts(), "epoch": epoch, "rng": rng_states()}
+            train_state = {
+                "optimizer": trainer.optimizer_state_dicts(),
+                "epoch": epoch,
+                "rng": rng_states(),
+                "split_points": cfg.split_points,
+            }
             folder = write_checkpoint(trainer.state_dict(), train_state, to_yaml(cfg), parent=str(run_dir))
             checkpoint = publish_checkpoint(folder, run_dir, epoch + 1, cfg.num_to_keep)
         print(

@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from functools import cache
@@ -32,6 +33,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch import Tensor, nn
 
+from raytrain_mp.cluster import reachable
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
 from raytrain_mp.pipeline.microbatch import check_microbatches, split_batch
@@ -174,8 +176,9 @@ class PipelineTrainer:
     (GPU stages) or ``"gloo"`` (CPU stages) sends activations and gradients straight from stage to
     stage with Ray's direct transport (RDT); ``"object_store"`` goes through host memory.
 
-    The model itself is left untouched: every stage works on a copy. Starts a local Ray instance
-    (``ray.init()``) when none is connected. Stage indices count from 0, steps from 1.
+    The model itself is left untouched: every stage works on a copy. When Ray is not initialized
+    yet, joins ``RAY_ADDRESS`` if set (one error line if nothing answers there) and otherwise
+    starts a new local Ray instance, whatever a stale ``ray start`` left behind. Stage indices count from 0, steps from 1.
     """
 
     def __init__(
@@ -213,7 +216,8 @@ class PipelineTrainer:
             bounds = balance_bounds(params, num_stages)
 
         if not ray.is_initialized():
-            ray.init()
+            address = os.environ.get("RAY_ADDRESS")
+            ray.init(address=reachable(address, "RAY_ADDRESS") if address else "local")
         nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
         if use_gpu is None:
             use_gpu = sum(node.get("GPU", 0) for node in nodes) > 0
@@ -297,7 +301,7 @@ class PipelineTrainer:
     # -- running ops -----------------------------------------------------------------------------
 
     def _call(self, stage: int, method: str, *args: Any, tensor_out: bool = False) -> ray.ObjectRef:
-        bound = getattr(self._actors[stage], method)
+        bound = getattr(self.actor(stage), method)
         if tensor_out and self._rdt:
             bound = bound.options(tensor_transport=self._transport)
         return bound.remote(*args)
@@ -431,6 +435,8 @@ class PipelineTrainer:
 
     def actor(self, stage: int) -> Any:
         """The Ray actor handle of ``stage`` (for inspection and fault injection)."""
+        if not self._actors:
+            raise RuntimeError("PipelineTrainer: used after shutdown(), which stopped its stage actors; build a new PipelineTrainer")
         return self._actors[stage]
 
     def shutdown(self) -> None:

@@ -60,6 +60,7 @@ def fp64_runs(ray_session, tiny_data, tmp_path_factory):
     return plain, killed, marker
 
 
+@pytest.mark.slow  # the fp64 runs
 def test_killed_stage_resumes_from_checkpoint(fp64_runs):
     plain, killed, marker = fp64_runs
     assert marker.read_text() == "killed stage 1 after epoch 1\n"
@@ -70,6 +71,7 @@ def test_killed_stage_resumes_from_checkpoint(fp64_runs):
     assert max((a[k] - b[k]).abs().max().item() for k in a if a[k].numel()) < 1e-9
 
 
+@pytest.mark.slow  # the fp64 runs
 def test_summary_and_model_pt(fp64_runs):
     plain, _, _ = fp64_runs
     for key in ("val_accuracy", "train_loss", "samples_per_second", "bubble_fraction"):
@@ -79,3 +81,48 @@ def test_summary_and_model_pt(fp64_runs):
     assert [s["index"] for s in plain["stages"]] == [0, 1]
     model = build_model("resnet18", 4, in_channels=1, small_stem=True)
     model.load_state_dict(torch.load(plain["model"], weights_only=True), strict=True)
+
+
+@pytest.mark.slow  # the fp64 runs
+def test_rerun_of_a_finished_run_prints_its_summary_and_starts_nothing(fp64_runs, tiny_data):
+    """As a user reruns it: a new process, no Ray of its own (no dashboard line), the same summary."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    plain, _, _ = fp64_runs
+    storage = str(Path(plain["run"]).parent)
+    done = subprocess.run(
+        ["raytrain-mp", "pipeline", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--batch-size", "32",
+         "--epochs", "2", "--storage-path", storage, "--name", "plain", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0]) == plain  # the JSON line alone: no Ray started, no epoch ran
+    assert done.stderr == ""
+
+
+@pytest.mark.slow  # the fp64 runs
+def test_resume_keeps_the_saved_split_and_refuses_another(fp64_runs, tiny_data, tmp_path, capsys):
+    import shutil
+    from pathlib import Path
+
+    plain, _, _ = fp64_runs
+    saved = [stage["blocks"][0] for stage in plain["stages"][1:]]
+    other = "layer2" if saved != ["layer2.0"] else "layer3"
+    storage = tmp_path / "runs"
+    shutil.copytree(Path(plain["run"]), storage / "copy")
+    base = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--batch-size", "32", "--microbatches", "3",
+            "--precision", "fp64", "--storage-path", str(storage), "--name", "copy", "--epochs", "3", "--log-every", "0"]  # fmt: skip
+    checkpoint = storage / "copy" / "checkpoint_000002"
+    where = f"{checkpoint} was trained with 2 stages cut before {','.join(saved)}"
+    res = run_cli(capsys, *base, "--split-points", other)
+    assert_usage_error(res, f"--split-points: {where}, not {other}; accepted: --split-points {','.join(saved)}")
+    res = run_cli(capsys, *base, "--stages", "3")
+    assert_usage_error(res, f"--stages: {where}, not 3; accepted: --stages 2")
+    assert sorted(p.name for p in (storage / "copy").glob("checkpoint_*")) == ["checkpoint_000001", "checkpoint_000002"]
+    # --balance time would profile and cut anew; the resumed run keeps the checkpoint's cut instead.
+    resumed = run_cli_json(*base, "--balance", "time")
+    assert resumed["epochs"] == 3
+    assert [stage["blocks"] for stage in resumed["stages"]] == [stage["blocks"] for stage in plain["stages"]]

@@ -185,7 +185,7 @@ def test_deferred_bn_time_balance_adamw_and_clipping(ray_session: object) -> Non
     _assert_state_close(state, reference.state_dict(), 1e-10)
 
 
-def test_bf16_step_then_failing_and_killed_stages_are_named(ray_session: object) -> None:
+def test_bf16_step_then_failing_and_killed_stages_are_named_then_shut_down(ray_session: object) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
@@ -209,6 +209,17 @@ def test_bf16_step_then_failing_and_killed_stages_are_named(ray_session: object)
             "pipeline stage 0 (of stages 0-1) failed at step 2: its actor died: The actor died unexpectedly "
             "before finishing this task. The actor is dead because it was killed by `ray.kill`."
         )
+    # Leaving the block shut it down: every use that needs the stages says so in one line.
+    uses = [lambda: pipeline.train_step(x, y), lambda: pipeline.predict(x), pipeline.state_dict,
+            pipeline.optimizer_state_dicts, lambda: pipeline.set_lr(0.1), lambda: pipeline.actor(0),
+            lambda: pipeline.load_state_dict(model.state_dict())]  # fmt: skip
+    for use in uses:
+        with pytest.raises(RuntimeError) as info:
+            use()
+        assert str(info.value) == (
+            "PipelineTrainer: used after shutdown(), which stopped its stage actors; build a new PipelineTrainer"
+        )
+    pipeline.shutdown()  # safe to call again
 
 
 @pytest.mark.parametrize(

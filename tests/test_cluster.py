@@ -1,0 +1,90 @@
+"""Connecting to Ray: no address means a new local Ray, whatever a stale ``ray start`` left behind;
+an address nobody answers at is one error line, not a hang.
+
+Each command runs as a user types it (a subprocess), with ``RAY_TMPDIR`` a private folder, where
+a ``ray start --head`` that died uncleanly would have left its ``ray_current_cluster`` file.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_usage_error, run_cli
+
+
+@pytest.fixture
+def stale_ray_tmpdir():
+    """A Ray temp dir whose ``ray_current_cluster`` names a head that is gone (short: socket paths)."""
+    folder = Path(f"/tmp/rts-{os.getpid()}")
+    (folder / "ray").mkdir(parents=True, exist_ok=True)
+    (folder / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{closed_port()}\n")
+    yield folder
+    subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the socket is
+
+
+def user_env(ray_tmpdir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(ray_tmpdir), RAY_USAGE_STATS_ENABLED="0")
+    return env
+
+
+@pytest.mark.slow
+def test_no_address_starts_a_local_ray_despite_a_stale_cluster_file(stale_ray_tmpdir, digits_dir, tmp_path):
+    done = subprocess.run(
+        ["raytrain-mp", "ddp", "--data", digits_dir, "--num-workers", "1", "--global-batch-size", "128", "--epochs", "1",
+         "--storage-path", str(tmp_path / "runs"), "--json"],
+        env=user_env(stale_ray_tmpdir), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "local Ray started" in done.stdout and "Connecting to existing Ray cluster" not in done.stderr
+    assert '"epochs": 1' in done.stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_pipeline_trainer_starts_a_local_ray_despite_a_stale_cluster_file(stale_ray_tmpdir):
+    code = (
+        "import torch\nfrom torch import nn\nfrom raytrain_mp import PipelineTrainer\n"
+        "model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))\n"
+        "with PipelineTrainer(model, 2, num_microbatches=2) as trainer:\n"
+        "    print(round(trainer.train_step(torch.ones(4, 4), torch.zeros(4, dtype=torch.long)), 6) > 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=user_env(stale_ray_tmpdir), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_an_address_nobody_answers_at_is_one_line(capsys, digits_dir, tmp_path):
+    port = closed_port()
+    res = run_cli(capsys, "ddp", "--data", digits_dir, "--address", f"127.0.0.1:{port}", "--storage-path", str(tmp_path))
+    assert_usage_error(res, f"--address: no Ray cluster answers at ", f":{port} (Connection refused); accepted: HOST:PORT")
+    res = run_cli(capsys, "ddp", "--data", digits_dir, "--address", "head-node", "--storage-path", str(tmp_path))
+    assert_usage_error(res, "--address: head-node: ", "accepted: HOST:PORT")
+
+
+def test_an_unreachable_ray_address_stops_pipeline_trainer(monkeypatch):
+    """In Python, RAY_ADDRESS (as ``ray job submit`` sets it) is joined, after the same probe."""
+    import ray
+    import torch
+    from torch import nn
+
+    from raytrain_mp import PipelineTrainer
+    from raytrain_mp.errors import UsageError
+
+    if ray.is_initialized():
+        pytest.skip("this session's Ray is already connected; the trainer would use it")
+    port = closed_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    with pytest.raises(UsageError, match=rf"^RAY_ADDRESS: no Ray cluster answers at \S+:{port} \(Connection refused\)"):
+        PipelineTrainer(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), 2, sample_input=torch.ones(4, 4))
