@@ -12,8 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from raytrain_mp.bench.ddp import BenchDDPConfig
-from raytrain_mp.bench.pipeline import BenchPipelineConfig
+from raytrain_mp.bench.config import BenchDDPConfig, BenchPipelineConfig
 from raytrain_mp.config import add_arguments, build_config
 from raytrain_mp.data.config import PrepareConfig
 from raytrain_mp.ddp.config import DDPConfig
@@ -42,7 +41,7 @@ def emit(result: dict, as_json: bool, title: str) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from raytrain_mp.data import prepare
+    from raytrain_mp.data.prepare import prepare
 
     cfg = build_config(PrepareConfig, args)
     meta = prepare(

@@ -11,6 +11,10 @@ Invariants:
   accepted values live in the field's metadata, so ``--help`` and the errors cannot drift apart.
 - ``validate()`` is pure (no Ray, no filesystem writes) and runs before any cluster resource is
   requested; every problem is one ``UsageError`` line naming the option and what it accepts.
+- ``--help`` lists the options in ``GROUPS`` (every field belongs to one, ``FIELD_GROUPS``), each
+  default written as a user would type it; building the parser imports neither torch nor Ray.
+- A renamed option keeps its old spelling (``aliases``) for one release, as a flag and as a YAML
+  key, with one ``raytrain-mp: warning:`` line naming the new one; ``--help`` shows new names only.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import types
 import typing
 from pathlib import Path
@@ -36,9 +41,68 @@ LR_RULES = ("linear", "sqrt", "none")
 LR_DECAYS = ("cosine", "step", "none")
 
 
-def option(default: Any, help: str, choices: tuple | None = None, hidden: bool = False) -> Any:
-    """A dataclass field that is also a command-line flag."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "hidden": hidden})
+GROUPS = ("data", "model", "optimization", "distribution", "checkpoints", "sweep", "benchmark", "output")
+FIELD_GROUPS = {
+    **dict.fromkeys(("data", "source", "val_fraction", "rows_per_shard", "num_samples", "image_size",
+                     "num_classes", "channels", "overwrite", "augment"), "data"),
+    **dict.fromkeys(("model", "small_stem", "weights", "precision", "sync_bn", "deferred_bn"), "model"),
+    **dict.fromkeys(("epochs", "base_lr", "base_batch", "lr_rule", "warmup_epochs", "lr_decay", "step_epochs",
+                     "gamma", "optimizer", "momentum", "weight_decay", "global_batch_size", "batch_size_per_worker",
+                     "grad_accum_steps", "clip_grad_norm", "lr", "seed"), "optimization"),
+    **dict.fromkeys(("address", "num_workers", "use_gpu", "cpus_per_worker", "placement", "stages", "split_points",
+                     "balance", "schedule", "microbatches", "cpus_per_stage", "bucket_cap_mb", "threads",
+                     "balanced", "balance_microbatches"), "distribution"),
+    **dict.fromkeys(("storage_path", "name", "checkpoint_every", "num_to_keep", "max_failures", "resume_from",
+                     "resume"), "checkpoints"),
+    **dict.fromkeys(("base_lrs", "lr_min", "lr_max", "global_batch_sizes", "optimizers", "warmup_epochs_grid",
+                     "scheduler", "metric", "grace_period", "reduction_factor", "max_concurrent_trials"), "sweep"),
+    **dict.fromkeys(("steps", "warmup"), "benchmark"),
+    **dict.fromkeys(("out", "log_every", "verbose", "inject_fault"), "output"),
+}  # fmt: skip
+
+
+def option(
+    default: Any,
+    help: str,
+    choices: tuple | None = None,
+    hidden: bool = False,
+    group: str | None = None,
+    aliases: tuple[str, ...] = (),
+) -> Any:
+    """A dataclass field that is also a command-line flag; ``group`` overrides ``FIELD_GROUPS``
+    (a name that means something else in one command), ``aliases`` are retired field names."""
+    metadata = {"help": help, "choices": choices, "hidden": hidden, "group": group, "aliases": aliases}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def group_of(field: dataclasses.Field) -> str:
+    group = field.metadata.get("group") or FIELD_GROUPS.get(field.name)
+    if group not in GROUPS:
+        raise KeyError(f"option {field.name!r} belongs to no help group; add it to FIELD_GROUPS")
+    return group
+
+
+def as_typed(field: dataclasses.Field, value: Any) -> str | None:
+    """A default as a user would type it on the command line (None: nothing to show)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return flag_name(field.name) if value else "--no-" + flag_name(field.name)[2:]
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    return str(value) if value != "" else None
+
+
+def deprecation_notice(old: str, new: str) -> None:
+    print(f"raytrain-mp: warning: {old} is deprecated and will be removed; use {new}", file=sys.stderr)
+
+
+class _DeprecatedFlag(argparse.Action):
+    """A retired flag spelling: stores into the new option, after one warning line."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        deprecation_notice(option_string, flag_name(self.dest))
+        setattr(namespace, self.dest, values)
 
 
 def flag_name(field_name: str) -> str:
@@ -97,27 +161,33 @@ def _convert(base: type, value: Any, flag: str, source: str) -> Any:
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, positional: tuple[str, ...] = ()) -> None:
     """Add ``--config`` and one flag per field of ``cls`` (but the ``positional`` ones); unspecified flags stay absent."""
-    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="YAML file of options (flags win)")
-    for f in dataclasses.fields(cls):
-        if f.name == "json" or f.name in positional:
-            continue
+    fields = [f for f in dataclasses.fields(cls) if f.name != "json" and f.name not in positional]
+    groups = {name: parser.add_argument_group(f"{name} options") for name in GROUPS if any(group_of(f) == name for f in fields)}
+    groups["output"] = groups.get("output") or parser.add_argument_group("output options")
+    groups["output"].add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="YAML file of options (flags win)")
+    for f in fields:
         base, _ = _base_type(_field_types(cls)[f.name])
         meta = f.metadata
         help_text = meta.get("help", "")
+        default = as_typed(f, f.default)
         if "default" not in help_text:
-            help_text += f" (default: {f.default})"
+            help_text += f" (default: {default})" if default is not None else (" (required)" if f.default == "" else "")
         if meta.get("hidden"):
             help_text = argparse.SUPPRESS
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+        group = groups[group_of(f)]
         if base is bool:
-            parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kwargs)
+            group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kwargs)
             continue
         if meta.get("choices"):
             kwargs["choices"] = meta["choices"]
         else:
             kwargs["metavar"] = f.name.upper()
-        parser.add_argument(flag_name(f.name), type=str, **kwargs)
-    parser.add_argument("--json", action="store_true", default=False, help="print one JSON object as the last line")
+        group.add_argument(flag_name(f.name), type=str, **kwargs)
+        for alias in meta.get("aliases", ()):
+            parser.add_argument(flag_name(alias), type=str, dest=f.name, default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS, action=_DeprecatedFlag)  # fmt: skip
+    groups["output"].add_argument("--json", action="store_true", default=False, help="print one JSON object as the last line")
 
 
 def read_yaml(path: str) -> dict[str, Any]:
@@ -137,11 +207,15 @@ def build_config(cls: type[C], args: argparse.Namespace | dict[str, Any]) -> C:
     """The validated config: defaults, then YAML from ``config``, then the given flags."""
     given = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
     names = {f.name for f in dataclasses.fields(cls)}
+    renamed = {alias: f.name for f in dataclasses.fields(cls) for alias in f.metadata.get("aliases", ())}
     values: dict[str, Any] = {}
     config_path = given.pop("config", None)
     if config_path:
         for key, value in read_yaml(config_path).items():
             name = str(key).replace("-", "_")
+            if name in renamed:
+                deprecation_notice(f"{key!r} in {config_path}", repr(renamed[name]))
+                name = renamed[name]
             if name not in names or name == "json":
                 raise UsageError(
                     f"--config: unknown option {key!r} in {config_path}; accepted: {', '.join(sorted(names - {'json'}))}"
@@ -205,7 +279,11 @@ class TrainOptions:
     weights: str | None = option(None, "state dict to start from (a model.pt)")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
     epochs: int = option(6, "training epochs")
-    base_lr: float = option(0.1, "learning rate at --base-batch samples; scaled to the batch (Goyal et al.: 0.1 at 256)")
+    base_lr: float = option(
+        0.1,
+        "learning rate at --base-batch samples; scaled to the batch (Goyal et al.: 0.1 at 256). "
+        "The lr in progress lines and --json is the one the epoch's last step trained with",
+    )
     base_batch: int = option(256, "batch size at which --base-lr applies")
     lr_rule: str = option("linear", "how lr scales with the batch", LR_RULES)
     warmup_epochs: float = option(1.0, "gradual linear warmup from base lr to scaled lr over these epochs")
@@ -219,7 +297,7 @@ class TrainOptions:
     augment: bool = option(False, "random crop and horizontal flip, seeded per sample and epoch")
     seed: int = option(0, "seed of the model init, sample order and augmentation")
     storage_path: str = option("~/ray_results", "where runs and checkpoints go (local folder, NFS, s3://...)")
-    name: str | None = option(None, "run name; rerun with the same name to resume (default: COMMAND-<time>)")
+    name: str | None = option(None, "run name; rerun with the same name to resume (default: the command and the start time, e.g. ddp-20261130-113831)")
     checkpoint_every: int = option(1, "write a checkpoint every this many epochs (and after the last)")
     num_to_keep: int = option(2, "checkpoints kept")
     max_failures: int = option(0, "restarts from the last checkpoint after a worker or stage failure")

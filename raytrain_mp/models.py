@@ -7,17 +7,19 @@ Invariants:
 - The small-input stem (3x3 stride-1 conv, no max-pool) replaces ``conv1`` and ``maxpool`` in
   place, so parameter names stay torchvision's.
 - Nothing is downloaded: weights are random (seeded by the caller) or read from ``weights``.
+- torch and torchvision are imported when a model is built, not with the module: the command
+  line needs ``MODEL_NAMES`` to build its parser, and ``--help`` must not wait for torch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
-from torch import nn
-from torchvision import models as tv_models
+from typing import TYPE_CHECKING
 
 from raytrain_mp.errors import UsageError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 MODEL_NAMES = ("resnet18", "resnet34", "resnet50")
 
@@ -36,6 +38,9 @@ def build_model(
     weights: str | Path | None = None,
 ) -> nn.Module:
     """A torchvision ResNet with ``num_classes`` outputs and ``in_channels`` input channels."""
+    from torch import nn
+    from torchvision import models as tv_models
+
     if name not in MODEL_NAMES:
         raise UsageError(f"--model: unknown model {name!r}; accepted: {', '.join(MODEL_NAMES)}")
     if num_classes < 2:
@@ -53,6 +58,8 @@ def build_model(
 
 def load_weights(model: nn.Module, path: str | Path) -> None:
     """Load a plain state dict (as written to ``model.pt``) with ``strict=True``."""
+    import torch
+
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--weights: no such file {path}")

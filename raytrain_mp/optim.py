@@ -3,14 +3,19 @@
 Invariant: weight decay applies to conv and linear weights (tensors of two or more dimensions) and
 never to BatchNorm parameters or biases (Goyal et al. 2017), so DDP workers, pipeline stages and a
 single-process reference build identical optimizers from the same parameters.
+
+torch is imported when an optimizer is built: the command line needs ``OPTIMIZERS`` for its
+parser, and ``--help`` must not wait for torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -26,6 +31,8 @@ def build_optimizer(
     params: Iterable[nn.Parameter], name: str, lr: float, momentum: float, weight_decay: float
 ) -> torch.optim.Optimizer:
     """SGD with momentum, or AdamW, over ``params`` grouped by ``param_groups``."""
+    import torch
+
     groups = param_groups(params, weight_decay)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum)

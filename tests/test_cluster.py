@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_usage_error, run_cli
 
 
 @pytest.fixture
@@ -65,26 +64,32 @@ def test_pipeline_trainer_starts_a_local_ray_despite_a_stale_cluster_file(stale_
     assert done.stdout.strip().splitlines()[-1] == "True"
 
 
-def test_an_address_nobody_answers_at_is_one_line(capsys, digits_dir, tmp_path):
+def test_an_address_nobody_answers_at_is_one_line(digits_dir, tmp_path):
+    """A subprocess, as a user runs it: in this session's process Ray is often connected already."""
     port = closed_port()
-    res = run_cli(capsys, "ddp", "--data", digits_dir, "--address", f"127.0.0.1:{port}", "--storage-path", str(tmp_path))
-    assert_usage_error(res, f"--address: no Ray cluster answers at ", f":{port} (Connection refused); accepted: HOST:PORT")
-    res = run_cli(capsys, "ddp", "--data", digits_dir, "--address", "head-node", "--storage-path", str(tmp_path))
-    assert_usage_error(res, "--address: head-node: ", "accepted: HOST:PORT")
+    for address, fragments in [
+        (f"127.0.0.1:{port}", ["raytrain-mp: error: --address: no Ray cluster answers at ", f":{port} (Connection refused); accepted: HOST:PORT"]),
+        ("head-node", ["raytrain-mp: error: --address: head-node: ", "accepted: HOST:PORT"]),
+    ]:
+        done = subprocess.run(
+            ["raytrain-mp", "ddp", "--data", digits_dir, "--address", address, "--storage-path", str(tmp_path)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert all(fragment in lines[0] for fragment in fragments), lines[0]
 
 
-def test_an_unreachable_ray_address_stops_pipeline_trainer(monkeypatch):
+def test_an_unreachable_ray_address_stops_pipeline_trainer():
     """In Python, RAY_ADDRESS (as ``ray job submit`` sets it) is joined, after the same probe."""
-    import ray
-    import torch
-    from torch import nn
-
-    from raytrain_mp import PipelineTrainer
-    from raytrain_mp.errors import UsageError
-
-    if ray.is_initialized():
-        pytest.skip("this session's Ray is already connected; the trainer would use it")
     port = closed_port()
-    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
-    with pytest.raises(UsageError, match=rf"^RAY_ADDRESS: no Ray cluster answers at \S+:{port} \(Connection refused\)"):
-        PipelineTrainer(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), 2, sample_input=torch.ones(4, 4))
+    code = (
+        "from torch import nn\nfrom raytrain_mp import PipelineTrainer\n"
+        "PipelineTrainer(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), 2)\n"
+    )
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1
+    assert last.startswith("raytrain_mp.errors.UsageError: RAY_ADDRESS: no Ray cluster answers at ")
+    assert f":{port} (Connection refused)" in last

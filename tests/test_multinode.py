@@ -93,7 +93,7 @@ def driver_env() -> dict[str, str]:
 def test_pipeline_stages_follow_the_placement_strategy(two_nodes, digits_dir, tmp_path, placement, nodes):
     result, _ = run(command(
         two_nodes, "pipeline", "--data", digits_dir, "--model", "resnet18", "--stages", "2", "--balance", "params",
-        "--batch-size", "256", "--epochs", "1", "--placement", placement, "--storage-path", str(tmp_path),
+        "--global-batch-size", "256", "--epochs", "1", "--placement", placement, "--storage-path", str(tmp_path),
     ))  # fmt: skip
     assert result["num_nodes"] == nodes
     assert len({stage["node_id"] for stage in result["stages"]}) == nodes

@@ -27,13 +27,6 @@ from typing import Any
 
 import torch
 
-from raytrain_mp.config import check
-
-
-def check_timing(steps: int, warmup: int) -> None:
-    """The shared checks of ``--steps`` and ``--warmup`` (for a config's ``validate``)."""
-    check(steps >= 1, "steps", f"must be >= 1, got {steps}")
-    check(warmup >= 0, "warmup", f"must be >= 0, got {warmup}")
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:

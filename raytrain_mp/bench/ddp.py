@@ -2,7 +2,7 @@
 
 Job: measure steady-state training throughput (samples/s from the median step time after warm-up)
 and start-up time of the same DDP training step launched two ways, for each worker count of
-``--workers``: by Ray Train (``TorchTrainer``, what ``raytrain-mp ddp`` runs) and by torchrun
+``--num-workers``: by Ray Train (``TorchTrainer``, what ``raytrain-mp ddp`` runs) and by torchrun
 (``bench.ddp_bare``, the shape of the seeds' minimal DDP script); plus one plain process with all
 the workers' threads as the reference. Writes ``results.json`` and a bar plot.
 
@@ -24,7 +24,6 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tempfile
 import time
@@ -38,15 +37,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_mp.bench.common import (
     bar_chart,
-    check_timing,
     machine,
     summarize,
     torchrun,
     write_results,
 )
-from raytrain_mp.config import check, check_choice, check_writable, option
+from raytrain_mp.bench.config import BenchDDPConfig
 from raytrain_mp.ddp.distributed_eval import all_reduce_sum
-from raytrain_mp.models import MODEL_NAMES, build_model, wants_small_stem
+from raytrain_mp.models import build_model, wants_small_stem
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 
@@ -54,51 +52,13 @@ DISTINCT_BATCHES = 4  # in-memory batches each worker cycles through
 MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4  # raytrain-mp ddp's defaults
 
 
-@dataclasses.dataclass
-class BenchDDPConfig:
-    out: str = option("", "folder for results.json and the plot")
-    model: str = option("resnet18", "model architecture", MODEL_NAMES)
-    image_size: int = option(32, "side of the random square input images in pixels")
-    small_stem: bool | None = option(None, "3x3 stride-1 stem without max-pool (default: on below 64 px, as raytrain-mp ddp)")
-    batch_size: int = option(32, "samples per worker per step")
-    num_classes: int = option(10, "classes of the random labels")
-    workers: tuple[int, ...] = option((1, 2), "worker counts to measure (DDP ranks)")
-    threads: int = option(1, "torch threads per worker (Ray: CPUs per worker)")
-    sync_bn: bool = option(False, "synchronized BatchNorm (as raytrain-mp ddp) on both sides; off: plain BatchNorm")
-    bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MiB (torch's default 25)")
-    steps: int = option(40, "timed steps per figure")
-    warmup: int = option(10, "untimed steps before them")
-    lr: float = option(0.01, "SGD learning rate")
-    seed: int = option(0, "seed of the model and the random data")
-    address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
-    verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
-    json: bool = False
-
-    def validate(self) -> None:
-        check_choice(self, "model")
-        check(bool(self.out), "out", "an output folder is required")
-        check_writable("out", self.out)
-        check(self.image_size >= 8, "image_size", f"must be >= 8, got {self.image_size}")
-        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
-        check(self.num_classes >= 2, "num_classes", f"must be >= 2, got {self.num_classes}")
-        check(len(self.workers) >= 1 and min(self.workers) >= 1, "workers", f"each count must be >= 1, got {list(self.workers)}")
-        check(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
-        check(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
-        check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        check_timing(self.steps, self.warmup)
-
-    def settings(self) -> dict[str, Any]:
-        """What a worker needs (plain values: it travels as JSON to torchrun and to Ray workers)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("out", "address", "json", "workers", "verbose")}
-
-
 def measure_steps(settings: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, float]:
     """Run warm-up and timed DDP steps (plain steps without a process group); rank's figures.
 
     Returns plain numbers (Ray Train's report wants them): the median, min and max step seconds and
     ``first_step_at``, the wall-clock time (``time.time()``) at which the first step started."""
-    torch.set_num_threads(settings["threads"])  # Ray and torchrun set OMP_NUM_THREADS; torch's pool is ours
-    size, batch = settings["image_size"], settings["batch_size"]
+    torch.set_num_threads(settings["cpus_per_worker"])  # Ray and torchrun set OMP_NUM_THREADS; torch's pool is ours
+    size, batch = settings["image_size"], settings["batch_size_per_worker"]
     torch.manual_seed(settings["seed"])
     small_stem = wants_small_stem(size) if settings["small_stem"] is None else settings["small_stem"]
     model: nn.Module = build_model(settings["model"], settings["num_classes"], 3, small_stem)
@@ -155,17 +115,17 @@ def one_process(cfg: BenchDDPConfig, threads: int) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     previous = torch.get_num_threads()
     try:
-        figures = measure_steps({**cfg.settings(), "threads": threads}, 0, 1, device)
+        figures = measure_steps({**cfg.settings(), "cpus_per_worker": threads}, 0, 1, device)
     finally:
         torch.set_num_threads(previous)
-    return {"threads": threads, **throughput(figures, cfg.batch_size)}
+    return {"threads": threads, **throughput(figures, cfg.batch_size_per_worker)}
 
 
 def bare(cfg: BenchDDPConfig, workers: int) -> dict[str, Any]:
     """``workers`` ranks of ``bench.ddp_bare`` under torchrun."""
     launched = time.time()
-    figures = torchrun("raytrain_mp.bench.ddp_bare", workers, cfg.settings(), cfg.threads, f"torchrun with {workers} workers")
-    return {"workers": workers, "startup_seconds": figures["first_step_at"] - launched, **throughput(figures, workers * cfg.batch_size)}
+    figures = torchrun("raytrain_mp.bench.ddp_bare", workers, cfg.settings(), cfg.cpus_per_worker, f"torchrun with {workers} workers")
+    return {"workers": workers, "startup_seconds": figures["first_step_at"] - launched, **throughput(figures, workers * cfg.batch_size_per_worker)}
 
 
 def ray_worker(settings: dict[str, Any]) -> None:
@@ -190,13 +150,13 @@ def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:
     from raytrain_mp.cluster import check_fits, train_log_level
 
     use_gpu = torch.cuda.is_available()
-    check_fits("--workers", workers, cfg.threads, 1 if use_gpu else 0)
+    check_fits("--num-workers", workers, cfg.cpus_per_worker, 1 if use_gpu else 0)
     trainer = TorchTrainer(
         ray_worker,
         train_loop_config=cfg.settings(),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": cfg.threads, **({"GPU": 1} if use_gpu else {})}
+            num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
         ),
         run_config=RunConfig(
             name=f"bench-ddp-{workers}-{time.strftime('%H%M%S')}",
@@ -206,7 +166,7 @@ def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:
     )
     launched = time.time()
     figures = trainer.fit().metrics
-    return {"workers": workers, "startup_seconds": figures["first_step_at"] - launched, **throughput(figures, workers * cfg.batch_size)}
+    return {"workers": workers, "startup_seconds": figures["first_step_at"] - launched, **throughput(figures, workers * cfg.batch_size_per_worker)}
 
 
 def data_parallel_skipped() -> str | None:
@@ -225,10 +185,10 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
     started = time.perf_counter()
     host = machine()
     ray_was_running = ray.is_initialized()
-    reference = one_process(cfg, cfg.threads * max(cfg.workers))
-    bare_runs = [bare(cfg, w) for w in cfg.workers]
+    reference = one_process(cfg, cfg.cpus_per_worker * max(cfg.num_workers))
+    bare_runs = [bare(cfg, w) for w in cfg.num_workers]
     with ray_connection(cfg.address, cfg.verbose), tempfile.TemporaryDirectory(prefix="bench-ddp-ray-") as storage:
-        ray_runs = [ours(cfg, w, storage) for w in cfg.workers]
+        ray_runs = [ours(cfg, w, storage) for w in cfg.num_workers]
     ratios = {
         str(b["workers"]): r["samples_per_second"]["median"] / b["samples_per_second"]["median"]
         for b, r in zip(bare_runs, ray_runs)
@@ -241,12 +201,12 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
     for b, r in zip(bare_runs, ray_runs):
         labels += [f"torchrun\n{b['workers']} worker(s)", f"Ray Train\n{r['workers']} worker(s)"]
         figures += [b["samples_per_second"], r["samples_per_second"]]
-    title = f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.batch_size}/worker, {cfg.threads} thread(s)/worker"
+    title = f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.batch_size_per_worker}/worker, {cfg.cpus_per_worker} thread(s)/worker"
     bar_chart(plot, labels, figures, "training samples per second", title)
     results = {
         "benchmark": "ddp",
         "machine": host,
-        "settings": {**cfg.settings(), "workers": list(cfg.workers)},
+        "settings": {**cfg.settings(), "num_workers": list(cfg.num_workers)},
         "ray_running_during_bare": ray_was_running,
         "one_process": reference,
         "bare_torchrun": bare_runs,

@@ -48,7 +48,6 @@ from torch import Tensor, nn
 
 from raytrain_mp.bench.common import (
     bar_chart,
-    check_timing,
     machine,
     pyplot,
     summarize,
@@ -56,8 +55,8 @@ from raytrain_mp.bench.common import (
     torchrun,
     write_results,
 )
-from raytrain_mp.config import check, check_choice, check_writable, option
-from raytrain_mp.models import MODEL_NAMES, build_model, wants_small_stem
+from raytrain_mp.bench.config import BenchPipelineConfig
+from raytrain_mp.models import build_model, wants_small_stem
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import (
     PipelineTrainer,
@@ -70,63 +69,6 @@ from raytrain_mp.pipeline.schedule import FORWARD
 
 LR = 0.01  # small enough that random labels never blow the weights up (NaNs would change the timing)
 MOMENTUM = 0.9
-SEEDS_SPLIT = ("layer3",)
-
-
-@dataclasses.dataclass
-class BenchPipelineConfig:
-    out: str = option("", "folder for results.json and the plots")
-    model: str = option("resnet50", "model architecture", MODEL_NAMES)
-    image_size: int = option(128, "side of the random square input images in pixels")
-    batch_size: int = option(64, "samples per training step")
-    num_classes: int = option(1000, "classes of the random labels (the seeds' ResNet-50 has 1000)")
-    stages: int = option(2, "pipeline stages, one Ray actor each (and one torchrun rank each for the native peer)")
-    cpus_per_stage: int = option(1, "CPUs per stage actor and per native rank; also their torch thread count")
-    threads: int = option(2, "torch threads of the one-process baseline (default: the stages' CPUs together)")
-    microbatches: tuple[int, ...] = option(
-        (2, 4, 8),
-        "micro-batch counts m to sweep: ours on both layouts, native, grad accumulation (naive model parallel, "
-        "m=1 on the seeds' split, is always run; 1F1B needs m >= --stages)",
-    )
-    split_points: tuple[str, ...] = option(SEEDS_SPLIT, "the fixed split: cut before these modules (the seeds' split)")
-    balanced: bool = option(True, "also run time-balanced stages (GPipe only)")
-    balance_microbatches: int = option(4, "balanced stages are profiled on a micro-batch of batch-size / this")
-    steps: int = option(3, "timed steps per figure")
-    warmup: int = option(1, "untimed steps before each figure")
-    seed: int = option(0, "seed of the model and the random batch")
-    address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
-    verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
-    json: bool = False
-
-    def validate(self) -> None:
-        check_choice(self, "model")
-        check(bool(self.out), "out", "an output folder is required")
-        check_writable("out", self.out)
-        check(self.image_size >= 8, "image_size", f"must be >= 8, got {self.image_size}")
-        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
-        check(self.num_classes >= 2, "num_classes", f"must be >= 2, got {self.num_classes}")
-        check(self.stages >= 2, "stages", f"a pipeline needs at least 2 stages, got {self.stages}")
-        check(self.cpus_per_stage >= 1, "cpus_per_stage", f"must be >= 1, got {self.cpus_per_stage}")
-        check(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
-        check(len(self.microbatches) >= 1, "microbatches", "give at least one m, e.g. 1,2,4,8")
-        bad = [m for m in self.microbatches if not 1 <= m <= self.batch_size]
-        check(not bad, "microbatches", f"each m must be between 1 and --batch-size {self.batch_size}, got {bad}")
-        check(
-            len(self.split_points) == self.stages - 1,
-            "split_points",
-            f"{len(self.split_points)} split point(s) make {len(self.split_points) + 1} stages, not --stages {self.stages}",
-        )
-        check(
-            1 <= self.balance_microbatches <= self.batch_size,
-            "balance_microbatches",
-            f"must be between 1 and --batch-size {self.batch_size}, got {self.balance_microbatches}",
-        )
-        check_timing(self.steps, self.warmup)
-
-    @property
-    def sweep(self) -> list[int]:
-        """The m values run: the requested ones and always m=1 (naive model parallel)."""
-        return sorted(set(self.microbatches) | {1})
 
 
 def gpipe_bubble(num_stages: int, num_microbatches: int) -> float:
@@ -272,7 +214,7 @@ def layout_runs(
         else {"balance": "time", "sample_input": x, "num_microbatches": cfg.balance_microbatches}
     )
     with PipelineTrainer(
-        model, cfg.stages, lr=LR, momentum=MOMENTUM, cpus_per_stage=cfg.cpus_per_stage, **partition
+        model, cfg.stages, lr=LR, momentum=MOMENTUM, weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage, **partition
     ) as trainer:
         plan = [dataclasses.asdict(stage) for stage in trainer.plan]
         print("stages: " + " | ".join(f"{p['blocks'][0]}..{p['blocks'][-1]}" for p in plan), flush=True)
@@ -292,7 +234,7 @@ def layout_runs(
             per_microbatch[m] = saved_activation_bytes(stages, first.inputs, first.targets)
         held = max_in_flight(run["schedule"], cfg.stages, m)
         run["peak_activation_bytes"] = [count * size for count, size in zip(held, per_microbatch[m])]
-        run["samples_per_second"] = cfg.batch_size / run["step_seconds"]["median"]
+        run["samples_per_second"] = cfg.global_batch_size / run["step_seconds"]["median"]
     return {"plan": plan, "runs": runs}
 
 
@@ -303,7 +245,7 @@ def native_settings(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) ->
         "model": cfg.model,
         "num_classes": cfg.num_classes,
         "image_size": cfg.image_size,
-        "batch_size": cfg.batch_size,
+        "batch_size": cfg.global_batch_size,
         "seed": cfg.seed,
         "threads": cfg.cpus_per_stage,
         "stage_blocks": [list(stage["blocks"]) for stage in plan],
@@ -321,7 +263,7 @@ def native_runs(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dic
     native = torchrun("raytrain_mp.bench.pipeline_native", cfg.stages, native_settings(cfg, plan), cfg.cpus_per_stage, what)
     for run in native["runs"]:
         progress(f"native {run['schedule']} m={run['microbatches']}", run["step_seconds"])
-        run["samples_per_second"] = cfg.batch_size / run["step_seconds"]["median"]
+        run["samples_per_second"] = cfg.global_batch_size / run["step_seconds"]["median"]
     for skip in native["skipped"]:
         print(f"native {skip['schedule']} m={skip['microbatches']}: skipped, {skip['reason']}", flush=True)
     return {
@@ -427,7 +369,7 @@ def plot_m_curve(
     ax.set_xticks(cfg.sweep, [str(m) for m in cfg.sweep])
     ax.set_xlabel("micro-batches per step (m)")
     ax.set_ylabel("seconds per training step")
-    ax.set_title(f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.batch_size}, {cfg.stages} stages", fontsize=10)
+    ax.set_title(f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.global_batch_size}, {cfg.stages} stages", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -438,7 +380,7 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     """Measure every variant on the connected Ray cluster; write results.json and the plots."""
     started = time.perf_counter()
     host = machine()
-    model, x, y = seeded_setup(cfg.model, cfg.num_classes, cfg.image_size, cfg.batch_size, cfg.seed)
+    model, x, y = seeded_setup(cfg.model, cfg.num_classes, cfg.image_size, cfg.global_batch_size, cfg.seed)
 
     local = one_process(cfg, model, x, y)
     layouts = {"fixed": layout_runs(cfg, model, x, y, cfg.split_points, cfg.sweep)}

@@ -8,16 +8,24 @@ set), ``config`` (``PrepareConfig`` of ``raytrain-mp data prepare``).
 May import: ``raytrain_mp.config`` and ``raytrain_mp.errors``; no capability.
 """
 
-from raytrain_mp.data.dataset import ParquetImageDataset
-from raytrain_mp.data.default import default_dataset_dir, resolve_dataset
-from raytrain_mp.data.format import DatasetMeta, read_meta
-from raytrain_mp.data.prepare import prepare
+from __future__ import annotations
 
-__all__ = [
-    "DatasetMeta",
-    "ParquetImageDataset",
-    "default_dataset_dir",
-    "prepare",
-    "read_meta",
-    "resolve_dataset",
-]
+import importlib
+from typing import Any
+
+# Imported on first use, so that a config (``data.config``) loads without torch or pyarrow.
+_EXPORTS = {
+    "DatasetMeta": "format",
+    "ParquetImageDataset": "dataset",
+    "default_dataset_dir": "default",
+    "read_meta": "format",
+    "resolve_dataset": "default",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -152,6 +152,7 @@ def train_loop_per_worker(config: dict) -> None:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+            step_lr = optimizer.param_groups[0]["lr"]  # the lr this step trained with, before the schedule moves on
             scheduler.step()
             if rank == 0 and cfg.log_every and (step + 1) % cfg.log_every == 0:
                 print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} loss {loss_sum / samples:.4f}", flush=True)
@@ -163,7 +164,7 @@ def train_loop_per_worker(config: dict) -> None:
             "train_loss": train_loss_sum / train_samples,
             **evaluate(ddp, val_loader, device, autocast),
             "samples_per_second": train_samples / elapsed,
-            "lr": optimizer.param_groups[0]["lr"],
+            "lr": step_lr,
             "world_size": world,
             "num_nodes": num_nodes,
             "global_batch_size": cfg.global_batch_size,
@@ -189,7 +190,12 @@ def train_loop_per_worker(config: dict) -> None:
                 f"samples/s {metrics['samples_per_second']:.1f} lr {metrics['lr']:.5f}",
                 flush=True,
             )
-        ray.train.report(metrics, checkpoint=checkpoint, delete_local_checkpoint_after_upload=True)
+        ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_dir_name=f"checkpoint_{epoch + 1:06d}",  # as the pipeline names them
+            delete_local_checkpoint_after_upload=True,
+        )
         maybe_inject_fault(cfg.inject_fault, rank, epoch + 1)
     if dist.is_initialized():
         dist.barrier()

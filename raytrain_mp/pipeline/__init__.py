@@ -9,46 +9,25 @@ May import: the shared layer (``raytrain_mp.config``, ``checkpointing``, ``clust
 ``lr_schedule``, ``models``, ``optim``) and ``raytrain_mp.data``; no other capability.
 """
 
-from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
-from raytrain_mp.pipeline.deferred_bn import DeferredBatchNorm, commit_deferred_batchnorm, convert_deferred_batchnorm
-from raytrain_mp.pipeline.microbatch import MicroBatch, check_microbatches, split_batch
-from raytrain_mp.pipeline.partition import (
-    BALANCE_MODES,
-    StagePlan,
-    balance_bounds,
-    plan_stages,
-    profile_blocks,
-    split_bounds,
-)
-from raytrain_mp.pipeline.schedule import SCHEDULES, build_schedule, clock_ticks, gpipe, one_f_one_b
-from raytrain_mp.optim import OPTIMIZERS
-from raytrain_mp.pipeline.trainer import PLACEMENT_STRATEGIES, TRANSPORTS, PipelineTrainer, StageFailedError
+from __future__ import annotations
 
-__all__ = [
-    "BALANCE_MODES",
-    "OPTIMIZERS",
-    "PLACEMENT_STRATEGIES",
-    "SCHEDULES",
-    "TRANSPORTS",
-    "Block",
-    "DeferredBatchNorm",
-    "MicroBatch",
-    "PipelineTrainer",
-    "StageFailedError",
-    "StageModule",
-    "StagePlan",
-    "balance_bounds",
-    "block_parameter_counts",
-    "build_schedule",
-    "check_microbatches",
-    "clock_ticks",
-    "commit_deferred_batchnorm",
-    "convert_deferred_batchnorm",
-    "flatten_model",
-    "gpipe",
-    "one_f_one_b",
-    "plan_stages",
-    "profile_blocks",
-    "split_batch",
-    "split_bounds",
-]
+import importlib
+from typing import Any
+
+# Imported on first use, so that ``pipeline.config`` and the pure modules load without Ray.
+_EXPORTS = {
+    **dict.fromkeys(("Block", "StageModule", "block_parameter_counts", "flatten_model"), "blocks"),
+    **dict.fromkeys(("DeferredBatchNorm", "commit_deferred_batchnorm", "convert_deferred_batchnorm"), "deferred_bn"),
+    **dict.fromkeys(("MicroBatch", "check_microbatches", "split_batch"), "microbatch"),
+    **dict.fromkeys(("BALANCE_MODES", "StagePlan", "balance_bounds", "plan_stages", "profile_blocks", "split_bounds"), "partition"),
+    **dict.fromkeys(("SCHEDULES", "build_schedule", "clock_ticks", "gpipe", "one_f_one_b"), "schedule"),
+    **dict.fromkeys(("PLACEMENT_STRATEGIES", "TRANSPORTS", "PipelineTrainer", "StageFailedError"), "trainer"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

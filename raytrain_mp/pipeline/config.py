@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 from raytrain_mp.config import TrainOptions, check, check_choice, option
-from raytrain_mp.models import MODEL_NAMES
 from raytrain_mp.pipeline.schedule import SCHEDULES
 
 
@@ -19,16 +18,13 @@ PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
 
 @dataclasses.dataclass
 class PipelineConfig(TrainOptions):
-    model: str = option("resnet50", "model architecture", MODEL_NAMES)
-    epochs: int = option(3, "training epochs")
-    base_lr: float = option(0.2, "learning rate at --base-batch samples; scaled to the batch")
     precision: str = option("fp32", "fp32 | bf16 (autocast) | fp64 (verification)", ("fp32", "bf16", "fp64"))
     stages: int = option(2, "pipeline stages, one Ray actor each")
     split_points: list | None = option(None, "cut before these modules, e.g. layer3 (the seeds' split); overrides --balance")
     balance: str = option("time", "cut stages by measured time, parameter count, or none (= params)", BALANCES)
     schedule: str = option("gpipe", "pipeline schedule", SCHEDULES)
     microbatches: int = option(4, "micro-batches per batch (m)")
-    batch_size: int = option(64, "samples per optimizer step")
+    global_batch_size: int = option(64, "samples per optimizer step (all micro-batches)", aliases=("batch_size",))
     use_gpu: bool | None = option(None, "one GPU per stage (default: when the cluster has GPUs)")
     cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
     placement: str = option("STRICT_PACK", "placement group strategy of the stages", PLACEMENTS)
@@ -40,11 +36,11 @@ class PipelineConfig(TrainOptions):
         for name in ("balance", "schedule", "placement"):
             check_choice(self, name)
         check(self.stages >= 1, "stages", f"must be >= 1, got {self.stages}")
-        check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")
         check(
-            1 <= self.microbatches <= self.batch_size,
+            1 <= self.microbatches <= self.global_batch_size,
             "microbatches",
-            f"must be between 1 and --batch-size {self.batch_size}, got {self.microbatches}",
+            f"must be between 1 and --global-batch-size {self.global_batch_size}, got {self.microbatches}",
         )
         check(
             self.schedule != "1f1b" or self.microbatches >= self.stages,

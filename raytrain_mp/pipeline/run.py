@@ -72,7 +72,7 @@ def build_run_model(cfg: PipelineConfig, meta) -> nn.Module:
 def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
     """``cfg`` with data resolved and checked, the stage cut checked against the model's blocks,
     and the run's name and storage folder fixed: everything that needs no Ray."""
-    data, meta = checked_dataset(cfg.data, cfg.batch_size, "--batch-size")
+    data, meta = checked_dataset(cfg.data, cfg.global_batch_size, "--global-batch-size")
     names = [block.name for block in flatten_model(build_run_model(cfg, meta))]
     try:
         check_stage_count(len(names), cfg.stages)
@@ -161,15 +161,15 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     meta = read_meta(cfg.data)
     model = build_run_model(cfg, meta)
     train_ds = ParquetImageDataset(cfg.data, "train", augment=cfg.augment, seed=cfg.seed, dtype=dtype, meta=meta)
-    val_loader = DataLoader(ParquetImageDataset(cfg.data, "val", dtype=dtype, meta=meta), batch_size=cfg.batch_size)
-    steps_per_epoch = len(train_ds) // cfg.batch_size
+    val_loader = DataLoader(ParquetImageDataset(cfg.data, "val", dtype=dtype, meta=meta), batch_size=cfg.global_batch_size)
+    steps_per_epoch = len(train_ds) // cfg.global_batch_size
     schedule = make_schedule(
-        cfg.base_lr, cfg.batch_size, cfg.base_batch, cfg.lr_rule, cfg.warmup_epochs,
+        cfg.base_lr, cfg.global_batch_size, cfg.base_batch, cfg.lr_rule, cfg.warmup_epochs,
         cfg.epochs, steps_per_epoch, cfg.lr_decay, cfg.step_epochs, cfg.gamma,
     )  # fmt: skip
     run_dir = Path(cfg.storage_path) / cfg.name
     run_dir.mkdir(parents=True, exist_ok=True)
-    sample = torch.stack([train_ds[i][0] for i in range(cfg.batch_size)])  # what time balancing profiles
+    sample = torch.stack([train_ds[i][0] for i in range(cfg.global_batch_size)])  # what time balancing profiles
 
     failures = 0
     while True:
@@ -235,7 +235,7 @@ def train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, 
         train_ds.set_epoch(epoch)
         started = time.perf_counter()
         loss_sum = 0.0
-        for step, indices in enumerate(epoch_batches(len(train_ds), cfg.batch_size, cfg.seed, epoch)):
+        for step, indices in enumerate(epoch_batches(len(train_ds), cfg.global_batch_size, cfg.seed, epoch)):
             batch = [train_ds[int(i)] for i in indices]
             x, y = torch.stack([b[0] for b in batch]), torch.tensor([b[1] for b in batch])
             trainer.set_lr(schedule(epoch * steps_per_epoch + step))
@@ -248,7 +248,7 @@ def train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, 
             "epoch": epoch + 1,
             "train_loss": loss_sum / steps_per_epoch,
             **evaluate(trainer, val_loader),
-            "samples_per_second": steps_per_epoch * cfg.batch_size / elapsed,
+            "samples_per_second": steps_per_epoch * cfg.global_batch_size / elapsed,
             "bubble_fraction": stats["bubble_fraction"],
             "lr": schedule(epoch * steps_per_epoch + steps_per_epoch - 1),
         }
@@ -279,7 +279,7 @@ def train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, 
         "num_stages": cfg.stages,
         "num_microbatches": cfg.microbatches,
         "schedule": cfg.schedule,
-        "batch_size": cfg.batch_size,
+        "global_batch_size": cfg.global_batch_size,
         "samples_per_second": metrics.get("samples_per_second"),
         "bubble_fraction": metrics.get("bubble_fraction"),
         "checkpoint": str(checkpoint) if checkpoint else None,

@@ -192,7 +192,7 @@ class PipelineTrainer:
         optimizer: str = "sgd",
         lr: float = 0.1,
         momentum: float = 0.9,
-        weight_decay: float = 0.0,
+        weight_decay: float = 5e-4,
         use_gpu: bool | None = None,
         deferred_bn: bool = False,
         clip_grad_norm: float | None = None,

@@ -61,7 +61,7 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
     out = tmp_path / "pipeline"
     summary = run_cli_json(
         "bench", "pipeline", "--out", str(out), "--model", "resnet18", "--image-size", "16",
-        "--batch-size", "8", "--microbatches", "1,2", "--steps", "1", "--warmup", "0", "--threads", "1",
+        "--global-batch-size", "8", "--microbatches", "1,2", "--steps", "1", "--warmup", "0", "--threads", "1",
     )  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert summary["results"] == str(out / "results.json")
@@ -122,8 +122,8 @@ def assert_native(results: dict) -> None:
 def test_bench_ddp_smoke(ray_session, tmp_path):
     out = tmp_path / "ddp"
     summary = run_cli_json(
-        "bench", "ddp", "--out", str(out), "--image-size", "8", "--batch-size", "4",
-        "--workers", "2", "--steps", "2", "--warmup", "1",
+        "bench", "ddp", "--out", str(out), "--image-size", "8", "--batch-size-per-worker", "4",
+        "--num-workers", "2", "--steps", "2", "--warmup", "1",
     )  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert Path(summary["plots"][0]).stat().st_size > 0
@@ -144,6 +144,6 @@ def test_bench_bad_input(capsys, tmp_path):
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--split-points", "layer2,layer3"), "--split-points")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--microbatches", "1,65"), "--microbatches")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--stages", "1"), "--stages")
-    assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--workers", "0"), "--workers")
+    assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--num-workers", "0"), "--num-workers")
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--steps", "0"), "--steps")
     assert_usage_error(run_cli(capsys, "bench", "ddp"), "--out")

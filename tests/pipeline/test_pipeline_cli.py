@@ -27,23 +27,23 @@ def tiny_data(tmp_path_factory) -> str:
         (["--split-points", "layer9"], ["--split-points: 'layer9' names no block", "layer3.0"]),
         (["--stages", "3", "--split-points", "layer3,layer2"], ["--split-points", "order"]),
         (["--split-points", "layer2,layer3"], ["--split-points: 2 split point(s) make 3 stages, not --stages 2"]),
-        (["--microbatches", "0"], ["--microbatches: must be between 1 and --batch-size 32, got 0"]),
-        (["--microbatches", "33"], ["--microbatches: must be between 1 and --batch-size 32, got 33"]),
+        (["--microbatches", "0"], ["--microbatches: must be between 1 and --global-batch-size 32, got 0"]),
+        (["--microbatches", "33"], ["--microbatches: must be between 1 and --global-batch-size 32, got 33"]),
         (["--stages", "4", "--schedule", "1f1b", "--microbatches", "3"], ["1F1B needs at least one micro-batch per stage", "--stages 4, got 3"]),
         (["--precision", "fp16"], ["--precision", "invalid choice: 'fp16'"]),
-        (["--batch-size", "500"], ["--batch-size 500 exceeds the 160 training samples"]),
+        (["--global-batch-size", "500"], ["--global-batch-size 500 exceeds the 160 training samples"]),
     ],
 )
 def test_bad_inputs_before_any_actor(tiny_data, tmp_path, capsys, argv, fragments):
     runs = tmp_path / "runs"
-    base = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--batch-size", "32", "--storage-path", str(runs)]
+    base = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32", "--storage-path", str(runs)]
     res = run_cli(capsys, *base, *argv)
     assert_usage_error(res, *fragments)
     assert not runs.exists()
 
 
 def test_more_stages_than_gpus(ray_session, tiny_data, tmp_path, capsys):
-    res = run_cli(capsys, "pipeline", "--data", tiny_data, "--model", "resnet18", "--batch-size", "32",
+    res = run_cli(capsys, "pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32",
                   "--use-gpu", "--storage-path", str(tmp_path / "runs"))  # fmt: skip
     assert_usage_error(res, "--use-gpu", "GPU")
 
@@ -52,7 +52,7 @@ def test_more_stages_than_gpus(ray_session, tiny_data, tmp_path, capsys):
 def fp64_runs(ray_session, tiny_data, tmp_path_factory):
     storage = str(tmp_path_factory.mktemp("pruns"))
     marker = tmp_path_factory.mktemp("pfault") / "killed"
-    args = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--batch-size", "32",
+    args = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
             "--microbatches", "3", "--schedule", "1f1b", "--epochs", "2", "--precision", "fp64",
             "--balance", "params", "--storage-path", storage, "--log-every", "0"]  # fmt: skip
     plain = run_cli_json(*args, "--name", "plain")
@@ -93,7 +93,7 @@ def test_rerun_of_a_finished_run_prints_its_summary_and_starts_nothing(fp64_runs
     plain, _, _ = fp64_runs
     storage = str(Path(plain["run"]).parent)
     done = subprocess.run(
-        ["raytrain-mp", "pipeline", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--batch-size", "32",
+        ["raytrain-mp", "pipeline", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
          "--epochs", "2", "--storage-path", storage, "--name", "plain", "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -113,7 +113,7 @@ def test_resume_keeps_the_saved_split_and_refuses_another(fp64_runs, tiny_data, 
     other = "layer2" if saved != ["layer2.0"] else "layer3"
     storage = tmp_path / "runs"
     shutil.copytree(Path(plain["run"]), storage / "copy")
-    base = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--batch-size", "32", "--microbatches", "3",
+    base = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32", "--microbatches", "3",
             "--precision", "fp64", "--storage-path", str(storage), "--name", "copy", "--epochs", "3", "--log-every", "0"]  # fmt: skip
     checkpoint = storage / "copy" / "checkpoint_000002"
     where = f"{checkpoint} was trained with 2 stages cut before {','.join(saved)}"

@@ -114,7 +114,7 @@ class TestAgainstGradientAccumulation:
         # default parameter balance. "gloo" runs Ray's direct transport path on CPUs.
         split = {2: ["layer3"], 3: ["layer2", "layer4"]}[num_stages] if dtype == torch.float32 else None
         trainer = PipelineTrainer(
-            _model(dtype), num_stages, split_points=split, lr=LRS[0], momentum=0.9, transport=transport
+            _model(dtype), num_stages, split_points=split, lr=LRS[0], momentum=0.9, weight_decay=0.0, transport=transport
         )
         yield Pipeline(trainer, dtype, trainer.state_dict(), trainer.optimizer_state_dicts())
         trainer.shutdown()
@@ -309,7 +309,7 @@ def test_gpu_stages_equal_gradient_accumulation(ray_session: object, transport: 
     num_stages = min(2, int(ray.cluster_resources().get("GPU", 0)))
     if num_stages < (2 if transport == "nccl" else 1):
         pytest.skip(f"the Ray session sees too few GPUs for {transport}")
-    options = {"lr": LRS[0], "use_gpu": True, "transport": transport}
+    options = {"lr": LRS[0], "weight_decay": 0.0, "use_gpu": True, "transport": transport}
     with PipelineTrainer(_model(torch.float64), num_stages, **options) as pipeline:
         assert len(pipeline.devices) == num_stages
         x, y = _batches(torch.float64, 1)[0]

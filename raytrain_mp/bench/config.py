@@ -1,0 +1,115 @@
+"""The validated configs of ``raytrain-mp bench ddp`` and ``raytrain-mp bench pipeline``.
+
+Pure: no torch, no Ray, no writes (``--help`` builds its parser from these without importing
+torch); ``validate()`` runs before any process or actor starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from raytrain_mp.config import check, check_choice, check_writable, option
+from raytrain_mp.models import MODEL_NAMES
+
+SEEDS_SPLIT = ("layer3",)
+
+
+def check_timing(steps: int, warmup: int) -> None:
+    """The shared checks of ``--steps`` and ``--warmup`` (for a config's ``validate``)."""
+    check(steps >= 1, "steps", f"must be >= 1, got {steps}")
+    check(warmup >= 0, "warmup", f"must be >= 0, got {warmup}")
+
+
+@dataclasses.dataclass
+class BenchDDPConfig:
+    out: str = option("", "folder for results.json and the plot")
+    model: str = option("resnet18", "model architecture", MODEL_NAMES)
+    image_size: int = option(32, "side of the random square input images in pixels")
+    small_stem: bool | None = option(None, "3x3 stride-1 stem without max-pool (default: on below 64 px, as raytrain-mp ddp)")
+    batch_size_per_worker: int = option(32, "samples per worker per step", aliases=("batch_size",))
+    num_classes: int = option(10, "classes of the random labels")
+    num_workers: tuple[int, ...] = option((1, 2), "worker counts to measure (DDP ranks)", aliases=("workers",))
+    cpus_per_worker: int = option(1, "CPUs per worker; also its torch thread count", aliases=("threads",))
+    sync_bn: bool = option(False, "synchronized BatchNorm (as raytrain-mp ddp) on both sides; off: plain BatchNorm")
+    bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MiB (torch's default 25)")
+    steps: int = option(40, "timed steps per figure")
+    warmup: int = option(10, "untimed steps before them")
+    lr: float = option(0.01, "SGD learning rate")
+    seed: int = option(0, "seed of the model and the random data")
+    address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
+    verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
+    json: bool = False
+
+    def validate(self) -> None:
+        check_choice(self, "model")
+        check(bool(self.out), "out", "an output folder is required")
+        check_writable("out", self.out)
+        check(self.image_size >= 8, "image_size", f"must be >= 8, got {self.image_size}")
+        check(self.batch_size_per_worker >= 1, "batch_size_per_worker", f"must be >= 1, got {self.batch_size_per_worker}")
+        check(self.num_classes >= 2, "num_classes", f"must be >= 2, got {self.num_classes}")
+        check(len(self.num_workers) >= 1 and min(self.num_workers) >= 1, "num_workers", f"each count must be >= 1, got {list(self.num_workers)}")
+        check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
+        check(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
+        check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        check_timing(self.steps, self.warmup)
+
+    def settings(self) -> dict[str, Any]:
+        """What a worker needs (plain values: it travels as JSON to torchrun and to Ray workers)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("out", "address", "json", "num_workers", "verbose")}
+
+
+@dataclasses.dataclass
+class BenchPipelineConfig:
+    out: str = option("", "folder for results.json and the plots")
+    model: str = option("resnet50", "model architecture", MODEL_NAMES)
+    image_size: int = option(128, "side of the random square input images in pixels")
+    global_batch_size: int = option(64, "samples per training step", aliases=("batch_size",))
+    num_classes: int = option(1000, "classes of the random labels (the seeds' ResNet-50 has 1000)")
+    stages: int = option(2, "pipeline stages, one Ray actor each (and one torchrun rank each for the native peer)")
+    cpus_per_stage: int = option(1, "CPUs per stage actor and per native rank; also their torch thread count")
+    threads: int = option(2, "torch threads of the one-process baseline (default: the stages' CPUs together)")
+    microbatches: tuple[int, ...] = option(
+        (2, 4, 8),
+        "micro-batch counts m to sweep: ours on both layouts, native, grad accumulation (naive model parallel, "
+        "m=1 on the seeds' split, is always run; 1F1B needs m >= --stages)",
+    )
+    split_points: tuple[str, ...] = option(SEEDS_SPLIT, "the fixed split: cut before these modules (the seeds' split)")
+    balanced: bool = option(True, "also run time-balanced stages (GPipe only)")
+    balance_microbatches: int = option(4, "balanced stages are profiled on a micro-batch of global-batch-size / this")
+    steps: int = option(3, "timed steps per figure")
+    warmup: int = option(1, "untimed steps before each figure")
+    seed: int = option(0, "seed of the model and the random batch")
+    address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
+    verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
+    json: bool = False
+
+    def validate(self) -> None:
+        check_choice(self, "model")
+        check(bool(self.out), "out", "an output folder is required")
+        check_writable("out", self.out)
+        check(self.image_size >= 8, "image_size", f"must be >= 8, got {self.image_size}")
+        check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")
+        check(self.num_classes >= 2, "num_classes", f"must be >= 2, got {self.num_classes}")
+        check(self.stages >= 2, "stages", f"a pipeline needs at least 2 stages, got {self.stages}")
+        check(self.cpus_per_stage >= 1, "cpus_per_stage", f"must be >= 1, got {self.cpus_per_stage}")
+        check(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
+        check(len(self.microbatches) >= 1, "microbatches", "give at least one m, e.g. 1,2,4,8")
+        bad = [m for m in self.microbatches if not 1 <= m <= self.global_batch_size]
+        check(not bad, "microbatches", f"each m must be between 1 and --global-batch-size {self.global_batch_size}, got {bad}")
+        check(
+            len(self.split_points) == self.stages - 1,
+            "split_points",
+            f"{len(self.split_points)} split point(s) make {len(self.split_points) + 1} stages, not --stages {self.stages}",
+        )
+        check(
+            1 <= self.balance_microbatches <= self.global_batch_size,
+            "balance_microbatches",
+            f"must be between 1 and --global-batch-size {self.global_batch_size}, got {self.balance_microbatches}",
+        )
+        check_timing(self.steps, self.warmup)
+
+    @property
+    def sweep(self) -> list[int]:
+        """The m values run: the requested ones and always m=1 (naive model parallel)."""
+        return sorted(set(self.microbatches) | {1})
