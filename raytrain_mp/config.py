@@ -11,6 +11,8 @@ Invariants:
   accepted values live in the field's metadata, so ``--help`` and the errors cannot drift apart.
 - ``validate()`` is pure (no Ray, no filesystem writes) and runs before any cluster resource is
   requested; every problem is one ``UsageError`` line naming the option and what it accepts.
+- A saved config (``to_yaml``: checkpoints' ``config.yaml``, a sweep's ``sweep.yaml``) never holds
+  a hidden option: those are testing hooks, not part of what was run.
 """
 
 from __future__ import annotations
@@ -187,7 +189,10 @@ def check_writable(name: str, path: str) -> None:
 
 
 def to_yaml(config: Any) -> str:
-    data = {k: v for k, v in dataclasses.asdict(config).items() if k != "json"}
+    """``config`` as YAML that ``--config`` reads back: every field but ``json`` (an output switch)
+    and the hidden ones (testing hooks such as ``inject_fault``), which no saved file carries."""
+    hidden = {f.name for f in dataclasses.fields(config) if f.metadata.get("hidden")}
+    data = {k: v for k, v in dataclasses.asdict(config).items() if k != "json" and k not in hidden}
     return yaml.safe_dump(data, sort_keys=False)
 
 
