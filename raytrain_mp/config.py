@@ -15,6 +15,8 @@ Invariants:
   default written as a user would type it; building the parser imports neither torch nor Ray.
 - A renamed option keeps its old spelling (``aliases``) for one release, as a flag and as a YAML
   key, with one ``raytrain-mp: warning:`` line naming the new one; ``--help`` shows new names only.
+- A saved config (``to_yaml``: checkpoints' ``config.yaml``, a sweep's ``sweep.yaml``) never holds
+  a hidden option: those are testing hooks, not part of what was run.
 """
 
 from __future__ import annotations
@@ -261,7 +263,10 @@ def check_writable(name: str, path: str) -> None:
 
 
 def to_yaml(config: Any) -> str:
-    data = {k: v for k, v in dataclasses.asdict(config).items() if k != "json"}
+    """``config`` as YAML that ``--config`` reads back: every field but ``json`` (an output switch)
+    and the hidden ones (testing hooks such as ``inject_fault``), which no saved file carries."""
+    hidden = {f.name for f in dataclasses.fields(config) if f.metadata.get("hidden")}
+    data = {k: v for k, v in dataclasses.asdict(config).items() if k != "json" and k not in hidden}
     return yaml.safe_dump(data, sort_keys=False)
 
 

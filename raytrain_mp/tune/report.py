@@ -8,11 +8,17 @@ Knows neither Ray nor Tune: trials arrive as ``TrialOutcome`` records. Invariant
   trial trained with.
 - The best trial is picked from the table alone (best ``--metric`` over its epochs, errored trials
   never), and its YAML holds ``DDPConfig`` fields only, so ``raytrain-mp ddp --config`` accepts it.
+- ``best.yaml`` holds what the sweep chose and the user gave, never this machine's state: the four
+  per-trial values, ``epochs`` and ``model``, and the other options the user set to a non-default
+  value, but none of ``MACHINE_STATE`` nor hidden (testing) options. It is built from the options
+  as the user gave them (``TuneConfig.template()`` of the prepared config: ``data`` None unless
+  ``--data`` was given, ``use_gpu`` unresolved), so another cluster reruns it as it would the sweep.
 - Outputs are written through pyarrow's filesystems, so a URI storage path works like a folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from collections.abc import Sequence
@@ -23,15 +29,21 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.fs as pa_fs
 import pyarrow.parquet as pq
+import yaml
 
-from raytrain_mp.config import to_yaml
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.lr_schedule import scaled_lr
-from raytrain_mp.tune.config import trial_config
+from raytrain_mp.tune.config import PER_TRIAL, trial_config
 
 TABLE_NAME = "sweep_table"
 PLOT_FILE = "sweep_lr.png"
 BEST_FILE = "best.yaml"
+# Always in best.yaml besides the per-trial values: what was trained, and for how long.
+BEST_ALWAYS = ("epochs", "model")
+# DDP options that describe the machine or the run rather than the training: which cluster and
+# whether it had GPUs (``use_gpu`` is resolved from the cluster), where the run was written and
+# under which name, what it resumed from, how much it printed. best.yaml never holds them.
+MACHINE_STATE = ("use_gpu", "address", "storage_path", "name", "resume_from", "verbose")
 
 COLUMNS = pa.schema(
     [
@@ -104,23 +116,37 @@ def best_row(rows: Sequence[dict[str, Any]], metric: str, mode: str) -> dict[str
     return pick(scored, key=lambda r: r[column])
 
 
-def best_config(row: dict[str, Any], template: DDPConfig) -> DDPConfig:
-    """The DDP config of the best trial, to be rerun as a fresh run (new name, template's storage)."""
-    params = {name: row[name] for name in ("base_lr", "global_batch_size", "optimizer", "warmup_epochs")}
-    return trial_config(template, params, name=None)
+def best_options(row: dict[str, Any], given: DDPConfig) -> dict[str, Any]:
+    """The best trial's options, by ``DDPConfig`` field in field order: the per-trial values of
+    ``row``, ``BEST_ALWAYS``, and every other option ``given`` sets to a non-default value, except
+    ``MACHINE_STATE``, hidden options and ``json``. ``given`` is the sweep's options as the user
+    gave them, not the template resolved for this cluster."""
+    options: dict[str, Any] = {}
+    for f in dataclasses.fields(DDPConfig):
+        if f.name in PER_TRIAL:
+            options[f.name] = row[f.name]
+        elif f.name in BEST_ALWAYS:
+            options[f.name] = getattr(given, f.name)
+        elif f.name in MACHINE_STATE or f.name == "json" or f.metadata.get("hidden"):
+            continue
+        elif getattr(given, f.name) != f.default:
+            options[f.name] = getattr(given, f.name)
+    return options
 
 
-def best_yaml(row: dict[str, Any], template: DDPConfig, metric: str, experiment: str) -> str:
+def best_yaml(row: dict[str, Any], given: DDPConfig, metric: str, experiment: str) -> str:
     header = (
         f"# Best trial of the sweep {experiment}: {row['trial']}\n"
         f"# best {metric} {row[f'best_{metric}']:.6g}, effective lr {row['effective_lr']:.6g}\n"
         f"# Run it: raytrain-mp ddp --config {BEST_FILE} [--epochs N ...]\n"
     )
-    return header + to_yaml(best_config(row, template))
+    return header + yaml.safe_dump(best_options(row, given), sort_keys=False)
 
 
-def write_outputs(rows: Sequence[dict[str, Any]], template: DDPConfig, metric: str, mode: str, folder: str) -> dict[str, Any]:
-    """Write table (CSV, Parquet), plot and best YAML into ``folder``; return their paths and the best row."""
+def write_outputs(rows: Sequence[dict[str, Any]], given: DDPConfig, metric: str, mode: str, folder: str) -> dict[str, Any]:
+    """Write table (CSV, Parquet), plot and best YAML into ``folder``; return their paths and the best row.
+
+    ``given``: the sweep's DDP options as the user gave them (see ``best_options``)."""
     table = pa.Table.from_pylist(list(rows), schema=COLUMNS)
     csv = io.BytesIO()
     pa_csv.write_csv(table, csv)
@@ -130,8 +156,8 @@ def write_outputs(rows: Sequence[dict[str, Any]], template: DDPConfig, metric: s
     paths = {
         "table_csv": write_file(folder, f"{TABLE_NAME}.csv", csv.getvalue()),
         "table_parquet": write_file(folder, f"{TABLE_NAME}.parquet", parquet.getvalue()),
-        "plot": write_file(folder, PLOT_FILE, plot_png(rows, f"rule {template.lr_rule}, {template.model}")),
-        "best_yaml": write_file(folder, BEST_FILE, best_yaml(best, template, metric, folder).encode()) if best else None,
+        "plot": write_file(folder, PLOT_FILE, plot_png(rows, f"rule {given.lr_rule}, {given.model}")),
+        "best_yaml": write_file(folder, BEST_FILE, best_yaml(best, given, metric, folder).encode()) if best else None,
     }
     return {**paths, "best": best}
 

@@ -37,7 +37,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from raytrain_mp.cluster import cluster_totals, resolve_use_gpu
 from raytrain_mp.config import absolute_path, to_yaml
 from raytrain_mp.ddp.config import DDPConfig
-from raytrain_mp.data import read_meta
+from raytrain_mp.data import read_meta, resolve_dataset
 from raytrain_mp.ddp.trainer import (
     build_trainer,
     with_checked_data,
@@ -55,8 +55,10 @@ from raytrain_mp.tune.report import TrialOutcome, table_rows, write_file, write_
 
 
 def prepared(cfg: Any) -> Any:
-    """``cfg`` with data resolved and checked, local paths absolute (trials run in their own
-    folders) and the experiment named; needs no Ray."""
+    """``cfg`` with its data checked (the built-in default prepared), local paths absolute (trials
+    run in their own folders) and the experiment named; needs no Ray. ``data`` stays as the user
+    gave it (None: the built-in default), so ``sweep.yaml`` and ``best.yaml`` do not pin this
+    machine's cache folder; ``run_sweep`` resolves it for the trials."""
     data = with_checked_data(dataclasses.replace(cfg.template(), global_batch_size=min(cfg.global_batch_sizes))).data
     train_count = read_meta(data).counts["train"]
     too_big = [b for b in cfg.global_batch_sizes if b > train_count]
@@ -64,7 +66,7 @@ def prepared(cfg: Any) -> Any:
         raise UsageError(f"--global-batch-sizes: {too_big[0]} exceeds the {train_count} training samples")
     cfg = dataclasses.replace(
         cfg,
-        data=absolute_path(data),
+        data=absolute_path(cfg.data),
         weights=absolute_path(cfg.weights),
         storage_path=absolute_path(cfg.storage_path),
         name=cfg.name or time.strftime("tune-%Y%m%d-%H%M%S"),
@@ -130,7 +132,11 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
     and return the summary. ``cfg`` must come from ``prepared``."""
     use_gpu = resolve_use_gpu(cfg.use_gpu)
     max_concurrent = concurrency(cfg, *cluster_totals(), use_gpu)
-    template = dataclasses.replace(with_cluster_settings(cfg.template()), name=None)
+    # The trials' template holds this machine's state (use_gpu, the data's cache folder); the
+    # outputs' best.yaml is built from cfg.template(), the options as the user gave them.
+    template = dataclasses.replace(
+        with_cluster_settings(cfg.template()), name=None, data=absolute_path(resolve_dataset(cfg.data))
+    )
     experiment = cfg.resume or f"{cfg.storage_path.rstrip('/')}/{cfg.name}"
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, template=template, experiment=experiment), {"cpu": TRIAL_DRIVER_CPUS}
@@ -173,7 +179,7 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
             "best": None,
         }
     rows = table_rows([_outcome(result) for result in results], template)
-    written = write_outputs(rows, template, cfg.metric, cfg.mode, experiment)
+    written = write_outputs(rows, cfg.template(), cfg.metric, cfg.mode, experiment)
     best = written.pop("best")
     return {
         "experiment": experiment,

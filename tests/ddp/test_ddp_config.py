@@ -67,6 +67,24 @@ def test_yaml_config_and_flags(tmp_path, capsys):
     assert_usage_error(res, "--config: no such file")
 
 
+def test_saved_config_leaves_out_hidden_options(tmp_path):
+    """A checkpoint's config.yaml (``to_yaml``) has every option but ``json`` and the testing hooks,
+    and ``--config`` reads it back to the same config, minus the hook."""
+    import dataclasses
+
+    import yaml
+
+    from raytrain_mp.config import build_config, to_yaml
+    from raytrain_mp.ddp.config import DDPConfig
+
+    cfg = DDPConfig(storage_path=str(tmp_path), epochs=3, inject_fault=f"0:1:{tmp_path / 'marker'}", json=True)
+    saved = yaml.safe_load(to_yaml(cfg))
+    assert saved == {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", "inject_fault")}
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert build_config(DDPConfig, {"config": str(path)}) == dataclasses.replace(cfg, inject_fault=None, json=False)
+
+
 def test_help_lists_defaults():
     proc = subprocess.run([sys.executable, "-m", "raytrain_mp.cli", "ddp", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0

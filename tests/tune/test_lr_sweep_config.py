@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from helpers import assert_usage_error, run_cli
 from raytrain_mp.config import build_config
@@ -221,8 +223,40 @@ def test_outputs_table_plot_and_best_yaml(tmp_path, outcomes):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     best = build_config(DDPConfig, {"config": out["best_yaml"]})  # what `raytrain-mp ddp --config` does
     assert (best.base_lr, best.global_batch_size, best.seed, best.epochs, best.name) == (0.4, 128, 5, 2, None)
-    assert best.storage_path == template.storage_path
+    assert best.storage_path == DDPConfig.storage_path  # where the sweep wrote is not what it chose
     assert Path(out["best_yaml"]).read_text().startswith("# Best trial of the sweep")
+
+
+def test_best_yaml_holds_what_the_sweep_chose_not_this_machine(tmp_path, outcomes, digits_dir):
+    """Prepared as `raytrain-mp tune` prepares it: no --data (the built-in digits, cached here)."""
+    from raytrain_mp.tune.sweep import prepared
+
+    cfg = prepared(make(tmp_path, epochs="2", seed="5", optimizers="sgd,adamw", log_every="0", inject_fault="0:1:x"))
+    assert cfg.data is None  # what the user gave: sweep.yaml and best.yaml stay free of the cache folder
+    # The trials' template as run_sweep resolves it on a CPU-only cluster.
+    trials = dataclasses.replace(cfg.template(), use_gpu=False, data=digits_dir, name=None)
+    rows = table_rows(outcomes, trials)
+    out = write_outputs(rows, cfg.template(), "val_accuracy", "max", str(tmp_path / "exp"))
+    text = Path(out["best_yaml"]).read_text()
+    assert text.startswith(f"# Best trial of the sweep {tmp_path / 'exp'}: t3\n")
+    chosen = {
+        "model": "resnet18", "epochs": 2, "base_lr": 0.4, "warmup_epochs": 1.0, "optimizer": "sgd", "seed": 5,
+        "log_every": 0, "num_workers": 1, "global_batch_size": 128,
+    }  # fmt: skip
+    assert yaml.safe_load(text) == chosen and list(yaml.safe_load(text)) == list(chosen)  # DDPConfig's field order
+    # The same from a template that already holds machine state: none of it leaks.
+    resolved = dataclasses.replace(
+        cfg.template(), use_gpu=False, address="auto", name="run", resume_from="/ckpt", verbose=True
+    )
+    again = write_outputs(rows, resolved, "val_accuracy", "max", str(tmp_path / "again"))
+    assert yaml.safe_load(Path(again["best_yaml"]).read_text()) == chosen
+    # Data the user gave is kept, made absolute (best.yaml is run from any folder).
+    given = prepared(make(tmp_path, data=os.path.relpath(digits_dir), epochs="2", name="given"))
+    with_data = write_outputs(rows, given.template(), "val_accuracy", "max", str(tmp_path / "with-data"))
+    assert yaml.safe_load(Path(with_data["best_yaml"]).read_text()) == {
+        "data": digits_dir, "model": "resnet18", "epochs": 2, "base_lr": 0.4, "warmup_epochs": 1.0,
+        "optimizer": "sgd", "num_workers": 1, "global_batch_size": 128,
+    }  # fmt: skip
 
 
 def test_all_trials_failed_writes_the_table_but_no_best(tmp_path):
