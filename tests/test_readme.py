@@ -2,8 +2,10 @@
 
 Each runnable one runs as a user would type it: in a shell, in README order, in one fresh working
 folder, with HOME a temporary folder (so ``~``, ``~/ray_results`` and the default data cache are
-private) and no RAY_ADDRESS (so each command starts its own local Ray, as on a fresh machine). The
-rest are listed in ``NOT_HERE`` with the reason; a README command in neither list fails the test.
+private) and no RAY_ADDRESS (so each command starts its own local Ray, as on a fresh machine). A
+block marked ``SCRIPT_MARK`` (the one-box ``ray start`` ... ``ray stop``) runs whole, as one bash
+script, so its ``export`` and ``source`` carry over to the commands after them. The rest are listed
+in ``NOT_HERE`` with the reason; a README command in none of these fails the test.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pickle
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +36,7 @@ NOT_HERE = {
     "ray start --head --num-gpus=4": GPU + " (Ray would advertise 4 GPUs that are not there)",
     "raytrain-mp ddp --address auto --num-workers 4 --use-gpu": GPU,
     "raytrain-mp pipeline --address auto --stages 4 --use-gpu": GPU,
-    "ray get-auth-token --generate": "run by tests/test_deploy.py before its token-authenticated head starts",
+    "ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/pipeline_resnet.py --stages 4 --use-gpu": GPU,
     "ray up cluster.yaml": CLOUD,
     "ray dashboard cluster.yaml &": CLOUD,
     "export RAY_AUTH_MODE=token RAY_ADDRESS=http://127.0.0.1:8265": CLOUD + " (it points at `ray dashboard`'s tunnel)",
@@ -63,22 +66,39 @@ def readme_blocks(language: str) -> list[str]:
     return blocks
 
 
-def readme_commands() -> list[str]:
-    """Every command of the README's bash blocks in order: continuations joined, comments dropped."""
+def block_commands(block: str) -> list[str]:
+    """The commands of one bash block in order: continuations joined, comments dropped."""
     commands = []
-    for block in readme_blocks("bash"):
-        for line in block.replace("\\\n", " ").splitlines():
-            command = re.sub(r"\s+#\s.*$", "", line).strip()
-            if command:
-                commands.append(re.sub(r"\s+", " ", command))
+    for line in block.replace("\\\n", " ").splitlines():
+        command = re.sub(r"\s+#\s.*$", "", line).strip()
+        if command:
+            commands.append(re.sub(r"\s+", " ", command))
     return commands
+
+
+def readme_commands() -> list[str]:
+    """Every command of the README's bash blocks in order."""
+    return [command for block in readme_blocks("bash") for command in block_commands(block)]
+
+
+SCRIPT_MARK = "<!-- tests/test_readme.py runs this block as one bash script -->"
+
+
+def readme_scripts() -> list[str]:
+    """The bash blocks right after a ``SCRIPT_MARK`` line, each to run whole as one script."""
+    return re.findall(rf"^{re.escape(SCRIPT_MARK)}\n```bash\n(.*?)^```", README.read_text(), re.S | re.M)
 
 
 def test_every_readme_command_is_run_here_or_excused():
     commands = readme_commands()
-    assert len(commands) == len(set(commands)), "a command appears twice"
+    scripted = {command for script in readme_scripts() for command in block_commands(script)}
+    repeated = {command for command in commands if commands.count(command) > 1}
+    # A command may reappear only where a script runs it (`ray get-auth-token --generate`, in the
+    # one-box script and the cluster block): an excuse then could not tell which one it meant.
+    assert repeated <= scripted, f"a command appears twice: {repeated - scripted}"
+    assert not scripted & set(NOT_HERE), scripted & set(NOT_HERE)  # a script runs every line of it
     assert set(NOT_HERE) <= set(commands), set(NOT_HERE) - set(commands)  # no stale excuses
-    assert commands[0] == "pip install -e . && raytrain-mp ddp" and len(commands) - len(NOT_HERE) >= 12
+    assert commands[0] == "pip install -e . && raytrain-mp ddp" and len(set(commands) - set(NOT_HERE)) >= 12
 
 
 def write_cifar_tree(root: Path) -> None:
@@ -146,7 +166,8 @@ def fresh_user(tmp_path_factory):
     return home, work, env
 
 
-RUN_HERE = [command for command in readme_commands() if command not in NOT_HERE]
+SCRIPTED = {command for script in readme_scripts() for command in block_commands(script)}
+RUN_HERE = [command for command in readme_commands() if command not in NOT_HERE and command not in SCRIPTED]
 
 
 @pytest.mark.parametrize("command", RUN_HERE, ids=[f"{i:02d}" for i in range(len(RUN_HERE))])
@@ -168,3 +189,76 @@ def test_readme_python_snippet_loads_the_main_jobs_model(fresh_user):
     (snippet,) = [block for block in readme_blocks("python") if "load_state_dict" in block]
     done = subprocess.run(["python", "-c", snippet], cwd=work, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def one_box_script() -> str:
+    scripts = [script for script in readme_scripts() if "ray start --head" in block_commands(script)]
+    assert len(scripts) == 1, f"the one-box section's `ray start` ... `ray stop` block, marked {SCRIPT_MARK!r}"
+    return scripts[0]
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory):
+    """A copy of this clone with ``.venv``, an environment that sees this one's packages, as the
+    one-box block expects (``source .venv/bin/activate``, then ``--working-dir .``)."""
+    root = tmp_path_factory.mktemp("clone") / "raytrain_mp"
+    local = {".git", ".venv", "build", "dist", "runs", ".cache", "data"}  # at the top: what a clone lacks
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        anywhere = {name for name in names if name in ("__pycache__", ".pytest_cache") or name.endswith(".egg-info")}
+        return anywhere | (local & set(names) if Path(folder) == REPO else set())
+
+    shutil.copytree(REPO, root, ignore=ignore)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", root / ".venv"], check=True)
+    return root
+
+
+def run_one_box(script: str, clone: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``script`` as one ``bash -e`` script in ``clone``, as a user types it, in private PID, network
+    and mount namespaces: its ``ray start`` and ``ray stop`` see only its own Ray (a bare ``ray
+    stop`` would stop every Ray on the machine), its default ports (6379, 8265) are its own
+    127.0.0.1's, and whatever it leaves running dies with the namespace. HOME is private (``~/.ray``,
+    ``~/ray_results``, the data cache) and so is Ray's temp dir (its ``ray_current_cluster``, read by
+    ``--address auto``). Without ``unshare`` (root, as here and in CI) this fails; it never skips."""
+    home = tmp_path / "home"
+    home.mkdir()
+    temp_dir = Path(f"/tmp/rtob-{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    temp_dir.mkdir()
+    (tmp_path / "one_box.sh").write_text(script + "\n")
+    drop = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAYTRAIN_MP_CACHE", "VIRTUAL_ENV")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(HOME=str(home), TMPDIR=str(temp_dir), RAY_USAGE_STATS_ENABLED="0")
+    inside = f"ip link set lo up && exec bash -e -x {tmp_path / 'one_box.sh'}"
+    try:
+        return subprocess.run(
+            ["unshare", "--pid", "--fork", "--net", "--mount-proc", "bash", "-c", inside],
+            cwd=clone, env=env, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_readme_one_box_script_runs_word_for_word(clone, tmp_path):
+    """The one-box block, activate to ``ray stop``: both jobs train on the node it starts, and it is
+    token-authenticated (the block's own ``ray get-auth-token --generate`` makes the token before
+    ``ray start``, as any earlier local run would)."""
+    done = run_one_box(one_box_script(), clone, tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-5000:]
+    assert (tmp_path / "home" / ".ray" / "auth_token").is_file()
+    assert out.count("epoch 1/1") >= 2, out[-5000:]  # `raytrain-mp --address auto` and the submitted job
+    assert re.search(r"Job '\S+' succeeded", out), out[-5000:]
+    assert len(list((tmp_path / "home" / "ray_results").glob("ddp-*/checkpoint_*/model.pt"))) == 2
+
+
+def test_one_box_script_without_ray_auth_mode_is_refused(clone, tmp_path):
+    """The control: the same block less its ``export RAY_AUTH_MODE=token`` (the README's one-box
+    section before it said so) is refused at its first client, so the line above is load-bearing."""
+    lines = one_box_script().splitlines()
+    kept = [line for line in lines if not line.startswith("export RAY_AUTH_MODE=token")]
+    assert len(kept) == len(lines) - 1
+    done = run_one_box("\n".join(kept), clone, tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-5000:]
+    assert "Authentication token is missing or incorrect" in out, out[-5000:]
