@@ -20,6 +20,7 @@ import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import ray
 
@@ -44,7 +45,16 @@ def ray_connection(address: str | None, verbose: bool = False) -> Iterator[bool]
     level = "INFO" if verbose else "WARNING"
     logs = dict(log_to_driver=True, logging_level=level, logging_config=ray.LoggingConfig(encoding="TEXT", log_level=level))
     if address:
-        ray.init(address=reachable(address), **logs)
+        joined = reachable(address)
+        use_token_if_there_is_one()
+        try:
+            ray.init(address=joined, **logs)
+        except ConnectionError as exc:  # a token-authenticated cluster refusing this client, most often
+            reason = " ".join(str(exc).split())
+            raise UsageError(
+                f"--address: Ray at {joined} refused this client: {reason}; a cluster started with token "
+                "authentication needs RAY_AUTH_MODE=token here too"
+            ) from None
     else:
         # A local Ray cannot be preempted, and Ray Train's preemption watcher logs a
         # core_worker error line (its constructor arguments live in the object store) at every start.
@@ -96,6 +106,19 @@ def reachable(address: str, option: str = "--address") -> str:
         reason = exc.strerror or type(exc).__name__
         raise UsageError(f"{option}: no Ray cluster answers at {resolved} ({reason}); {accepted}") from None
     return resolved
+
+
+def use_token_if_there_is_one() -> None:
+    """Send this machine's Ray token when joining, as ``RAY_AUTH_MODE=token`` would: a cluster
+    started with token authentication refuses a client without it (after 20 s of retries), and
+    one started without it accepts a client that sends one. ``RAY_AUTH_MODE`` set by the user wins."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file():
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()  # Ray's own switch: the variable plus its cached config
 
 
 def free_port() -> int:

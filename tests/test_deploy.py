@@ -138,7 +138,7 @@ def head_node(tmp_path_factory):
         time.sleep(2)
     else:
         raise RuntimeError("the head node's job server did not come up in 120 s")
-    yield env, address
+    yield env, address, ports[0].split("=")[1]
     os.killpg(head.pid, signal.SIGTERM)  # `ray stop` would also stop every other Ray on this machine
     try:
         head.wait(timeout=30)
@@ -172,7 +172,7 @@ def submit(env: dict, address: str, *job_args: str) -> tuple[str, str]:
 
 @pytest.mark.slow
 def test_job_submit_trains_and_checkpoints(head_node, tmp_path):
-    env, address = head_node
+    env, address, _ = head_node
     runs = tmp_path / "runs"
     status, logs = submit(
         env, address, "jobs/ddp_resnet.py", "--num-workers", "2", "--epochs", "1", "--global-batch-size", "256",
@@ -185,7 +185,22 @@ def test_job_submit_trains_and_checkpoints(head_node, tmp_path):
 
 @pytest.mark.slow
 def test_job_submit_bad_argument_fails_with_one_line(head_node):
-    env, address = head_node
+    env, address, _ = head_node
     status, logs = submit(env, address, "jobs/ddp_resnet.py", "--num-workers", "2", "--global-batch-size", "63")
     assert status == "FAILED"
     assert "raytrain-mp: error: --global-batch-size: 63 is not divisible by --num-workers 2; accepted: a multiple of 2" in logs
+
+
+@pytest.mark.slow
+def test_joining_a_token_cluster_uses_the_token_without_ray_auth_mode(head_node, digits_dir, tmp_path):
+    """The head runs with token authentication; this machine's ~/.ray/auth_token is enough to join."""
+    env, _, gcs_port = head_node
+    env = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
+    done = subprocess.run(
+        ["raytrain-mp", "ddp", "--address", f"127.0.0.1:{gcs_port}", "--data", digits_dir, "--num-workers", "1",
+         "--global-batch-size", "128", "--epochs", "1", "--storage-path", str(tmp_path), "--json"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert '"epochs": 1' in done.stdout.splitlines()[-1]
+    assert "Authentication" not in done.stderr
