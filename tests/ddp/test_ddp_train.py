@@ -139,3 +139,31 @@ def test_gpu_ddp_with_nccl_native_syncbn_and_fp16(digits_dir, storage):
     )  # fmt: skip
     assert result["world_size"] == workers and result["val_count"] == 359
     build_model("resnet18", 10, 1, True).load_state_dict(load_model_pt(result), strict=True)
+
+
+def test_checkpoints_are_named_by_epoch_and_the_lr_is_the_last_steps(fp64_runs, digits_dir):
+    from pathlib import Path
+
+    from raytrain_mp.lr_schedule import make_schedule
+
+    result = fp64_runs["two"]
+    assert Path(result["checkpoint"]).name == "checkpoint_000002"  # as the pipeline names them
+    assert sorted(p.name for p in Path(result["run"]).glob("checkpoint_*") if p.is_dir()) == ["checkpoint_000001", "checkpoint_000002"]
+    # 1437 training samples, global batch 256: 5 steps an epoch; the reported lr is the 10th step's, not 0.
+    schedule = make_schedule(0.1, 256, 256, "linear", 1.0, 2, 5, "cosine", 30, 0.1)
+    assert result["lr"] == pytest.approx(schedule(9), rel=1e-12) and result["lr"] > 0
+
+
+def test_rerun_of_a_finished_run_prints_its_summary_without_ray(fp64_runs, digits_dir, storage):
+    """As a user reruns it: a new process; nothing but the JSON line (no Ray started, no epoch)."""
+    import json
+    import subprocess
+
+    done = subprocess.run(
+        ["raytrain-mp", "ddp", "--data", digits_dir, "--storage-path", storage, "--name", "fp64-two", *FP64_ARGS,
+         "--num-workers", "2", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0]) == json.loads(json.dumps(fp64_runs["two"]))
