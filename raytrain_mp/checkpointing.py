@@ -19,7 +19,6 @@ persistence layer, a rename) publishes it, so a crash never leaves a half-writte
 from __future__ import annotations
 
 import json
-import os
 import random
 import tempfile
 from pathlib import Path
@@ -28,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from raytrain_mp.storage import Location, download_folder
 
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
@@ -68,21 +69,21 @@ def read_checkpoint(folder: str | Path) -> tuple[dict, dict]:
     return model_state, train_state
 
 
-def write_result(run_dir: str, result: dict[str, Any]) -> None:
-    """Save a finished run's summary next to its checkpoints (local and mounted folders only)."""
-    if "://" in run_dir:
-        return
-    path = Path(run_dir) / RESULT_FILE
-    fd, tmp = tempfile.mkstemp(prefix=".result-", dir=run_dir)
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, default=str)
-    os.replace(tmp, path)
+def write_result(run: Location, result: dict[str, Any]) -> None:
+    """Save a finished run's summary next to its checkpoints (one atomic write, any storage)."""
+    run.child(RESULT_FILE).write_bytes(json.dumps(result, default=str).encode())
 
 
-def finished_result(run_dir: str, epochs: int) -> dict[str, Any] | None:
-    """The saved summary of the run in ``run_dir`` when it has finished ``epochs`` or more epochs."""
-    path = Path(run_dir) / RESULT_FILE
-    if "://" in run_dir or not path.is_file():
+def finished_result(run: Location, epochs: int) -> dict[str, Any] | None:
+    """The saved summary of the run at ``run`` when it has finished ``epochs`` or more epochs."""
+    file = run.child(RESULT_FILE)
+    if not file.is_file():
         return None
-    result = json.loads(path.read_text())
+    result = json.loads(file.read_bytes())
     return result if (result.get("epochs") or 0) >= epochs else None
+
+
+def load_checkpoint(folder: Location) -> tuple[dict, dict]:
+    """``read_checkpoint`` of a checkpoint folder anywhere (an object store's is downloaded first)."""
+    with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as tmp:
+        return read_checkpoint(download_folder(folder, Path(tmp) / "checkpoint"))

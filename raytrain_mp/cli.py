@@ -76,11 +76,11 @@ def finished_already(cfg, command: str, as_json: bool) -> bool:
     """A rerun of a finished run (same ``--storage-path`` and ``--name``, no more ``--epochs``)
     prints that run's summary and starts nothing; more epochs continue it."""
     from raytrain_mp.checkpointing import finished_result
-    from raytrain_mp.config import absolute_path
+    from raytrain_mp.storage import locate
 
     if cfg.name is None:
         return False
-    result = finished_result(f"{absolute_path(cfg.storage_path).rstrip('/')}/{cfg.name}", cfg.epochs)
+    result = finished_result(locate(cfg.storage_path, "--storage-path").child(cfg.name), cfg.epochs)
     if result is not None:
         emit(result, as_json, f"{command} run {cfg.name} already finished {result['epochs']} epochs (raise --epochs to continue it)")
     return result is not None

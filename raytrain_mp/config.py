@@ -252,14 +252,23 @@ def absolute_path(path: str | None) -> str | None:
 
 
 def check_writable(name: str, path: str) -> None:
-    """A local folder we can create and write into (URIs are checked by pyarrow at run time)."""
+    """A local folder we can create and write into, or a URI of a store pyarrow knows (whether its
+    bucket exists is asked of the store before any worker starts: ``storage.check_reachable``)."""
     if "://" in path:
+        from raytrain_mp.storage import locate
+
+        locate(path, flag_name(name))
         return
     p = Path(path).expanduser()
     existing = p
     while not existing.exists():
         existing = existing.parent
     check(existing.is_dir() and os.access(existing, os.W_OK | os.X_OK), name, f"{path} is not writable")
+
+
+def check_local(name: str, path: str, accepted: str) -> None:
+    """An option that reads or writes a local file only: a URI is one line saying so."""
+    check("://" not in path, name, f"{path} is a URI; accepted: {accepted}")
 
 
 def to_yaml(config: Any) -> str:
@@ -329,8 +338,10 @@ class TrainOptions:
         check(self.log_every >= 0, "log_every", f"must be >= 0, got {self.log_every}")
         check_writable("storage_path", self.storage_path)
         if self.weights is not None:
+            check_local("weights", self.weights, "a local model.pt (copy it from the store first)")
             check(Path(self.weights).is_file(), "weights", f"no such file {self.weights}")
         if self.resume_from is not None:
+            check_writable("resume_from", self.resume_from)  # a URI's scheme and bucket name
             check(
                 (Path(self.resume_from) / "model.pt").is_file() or "://" in self.resume_from,
                 "resume_from",

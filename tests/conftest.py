@@ -4,6 +4,10 @@ The inner loop is ``pytest -m "not slow"`` (a few minutes); tests marked ``slow`
 end-to-end runs of a minute or more, and CI runs everything. Tests mirror the package's layout:
 ``tests/ddp``, ``tests/pipeline``, ``tests/tune``, ``tests/bench``, ``tests/data``, and the shared
 layer and whole-project checks at the top.
+
+Object storage is a real S3 protocol server (moto's server mode) on 127.0.0.1, started once per
+session by the tests that ask (``s3_endpoint``); its credentials are set here, before any Ray
+process starts, so Ray's workers inherit them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,41 @@ import pytest
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+for _name, _value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                      "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():  # fmt: skip
+    os.environ.setdefault(_name, _value)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> str:
+    """``HOST:PORT`` of a real S3 protocol server on 127.0.0.1 for this session."""
+    import logging
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # its request log would mix with the commands' stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_endpoint, request) -> str:
+    """A new, empty bucket; returns ``s3://BUCKET`` plus the endpoint query, the form users paste."""
+    import re
+
+    import pyarrow.fs as pafs
+
+    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-") + f"-{os.getpid()}"
+    query = f"?endpoint_override={s3_endpoint}&scheme=http"
+    fs, _ = pafs.FileSystem.from_uri(f"s3://{name}{query}&allow_bucket_creation=true")
+    fs.create_dir(name)
+    return f"s3://{name}{query}"
 
 
 @pytest.fixture(scope="session")

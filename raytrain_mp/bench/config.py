@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from raytrain_mp.config import check, check_choice, check_writable, option
+from raytrain_mp.config import check, check_choice, check_local, check_writable, option
 from raytrain_mp.models import MODEL_NAMES
 
 SEEDS_SPLIT = ("layer3",)
@@ -44,6 +44,7 @@ class BenchDDPConfig:
     def validate(self) -> None:
         check_choice(self, "model")
         check(bool(self.out), "out", "an output folder is required")
+        check_local("out", self.out, "a local folder (results.json and PNG plots are written there atomically)")
         check_writable("out", self.out)
         check(self.image_size >= 8, "image_size", f"must be >= 8, got {self.image_size}")
         check(self.batch_size_per_worker >= 1, "batch_size_per_worker", f"must be >= 1, got {self.batch_size_per_worker}")
@@ -87,6 +88,7 @@ class BenchPipelineConfig:
     def validate(self) -> None:
         check_choice(self, "model")
         check(bool(self.out), "out", "an output folder is required")
+        check_local("out", self.out, "a local folder (results.json and PNG plots are written there atomically)")
         check_writable("out", self.out)
         check(self.image_size >= 8, "image_size", f"must be >= 8, got {self.image_size}")
         check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")

@@ -5,7 +5,7 @@ Part of the shared layer: every capability reads its data through this package. 
 ``prepare`` (sources to shards), ``dataset`` (the torch Dataset), ``default`` (the built-in data
 set), ``config`` (``PrepareConfig`` of ``raytrain-mp data prepare``).
 
-May import: ``raytrain_mp.config`` and ``raytrain_mp.errors``; no capability.
+May import: ``raytrain_mp.config``, ``raytrain_mp.errors`` and ``raytrain_mp.storage``; no capability.
 """
 
 from __future__ import annotations

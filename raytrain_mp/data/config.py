@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from raytrain_mp.config import check, option
+from raytrain_mp.config import check, check_writable, option
 
 
 @dataclasses.dataclass
@@ -26,6 +26,7 @@ class PrepareConfig:
 
     def validate(self) -> None:
         check(bool(self.out), "out", "an output folder is required")
+        check_writable("out", self.out)
         check(0.0 < self.val_fraction < 1.0, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
         check(self.rows_per_shard >= 1, "rows_per_shard", f"must be >= 1, got {self.rows_per_shard}")
         check(self.num_samples >= 2, "num_samples", f"must be >= 2, got {self.num_samples}")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raytrain_mp.data.format import META_FILE, SCHEMA, DatasetMeta
@@ -27,6 +28,7 @@ from raytrain_mp.data.sources import (
     make_synthetic_source,
 )
 from raytrain_mp.errors import UsageError
+from raytrain_mp.storage import Location, check_reachable, delete_folder, is_uri, locate, publish_folder
 
 
 def load_source(
@@ -79,7 +81,12 @@ def _write_split(split: RawSplit, folder: Path, rows_per_shard: int) -> list[str
 
 
 def write_dataset(raw: RawDataset, out: str | Path, rows_per_shard: int = 10_000, overwrite: bool = False) -> DatasetMeta:
-    """Write ``raw`` as shards + metadata into ``out`` (a local folder), replacing it only if asked."""
+    """Write ``raw`` as shards + metadata into ``out`` (a local folder or a URI), replacing it only if asked.
+
+    On an object store the data set is written locally, then uploaded with ``metadata.json`` last
+    (the format's completeness mark); a replaced one loses its metadata first."""
+    if is_uri(str(out)):
+        return _upload_dataset(raw, locate(str(out), "--out"), rows_per_shard, overwrite)
     out = Path(out)
     if rows_per_shard < 1:
         raise UsageError(f"--rows-per-shard must be >= 1, got {rows_per_shard}")
@@ -119,6 +126,21 @@ def write_dataset(raw: RawDataset, out: str | Path, rows_per_shard: int = 10_000
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return meta
+
+
+def _upload_dataset(raw: RawDataset, target: Location, rows_per_shard: int, overwrite: bool) -> DatasetMeta:
+    check_reachable(target, "--out")
+    if target.exists() and not overwrite and target.fs.get_file_info(pafs.FileSelector(target.path)):
+        raise UsageError(f"--out: {target.uri} already exists and is not empty; choose a new folder or pass --overwrite")
+    staging = Path(tempfile.mkdtemp(prefix="raytrain-data-"))
+    try:
+        meta = write_dataset(raw, staging / "dataset", rows_per_shard)
+        if target.exists():
+            delete_folder(target, marker=META_FILE)
+        publish_folder(staging / "dataset", target, last=META_FILE)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return meta
 
 

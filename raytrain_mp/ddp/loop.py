@@ -29,12 +29,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from raytrain_mp.checkpointing import plain_state_dict, read_checkpoint, rng_states, set_rng_states, write_checkpoint
+from raytrain_mp.checkpointing import load_checkpoint, plain_state_dict, read_checkpoint, rng_states, set_rng_states, write_checkpoint
 from raytrain_mp.config import to_yaml
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate
 from raytrain_mp.lr_schedule import make_schedule
+from raytrain_mp.storage import locate
 from raytrain_mp.models import build_model, wants_small_stem
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
@@ -118,7 +119,7 @@ def train_loop_per_worker(config: dict) -> None:
             model_state, train_state = read_checkpoint(d)
         resume_dir = checkpoint.path
     elif cfg.resume_from:
-        model_state, train_state = read_checkpoint(cfg.resume_from)
+        model_state, train_state = load_checkpoint(locate(cfg.resume_from, "--resume-from"))
         resume_dir = cfg.resume_from
     if resume_dir is not None:
         ddp.module.load_state_dict(model_state, strict=True)

@@ -20,6 +20,7 @@ from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.cluster import check_fits, resolve_use_gpu, train_log_level
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
+from raytrain_mp.storage import check_reachable, join, locate, name_of
 from raytrain_mp.ddp.loop import train_loop_per_worker
 
 
@@ -28,6 +29,7 @@ def with_checked_data(cfg: DDPConfig) -> DDPConfig:
 
     Needs no Ray, so a bad data set is reported before any cluster resource is requested."""
     data, _ = checked_dataset(cfg.data, cfg.global_batch_size, "--global-batch-size")
+    check_reachable(locate(cfg.storage_path, "--storage-path"), "--storage-path")
     return dataclasses.replace(
         cfg, data=absolute_path(data), weights=absolute_path(cfg.weights), resume_from=absolute_path(cfg.resume_from)
     )
@@ -65,9 +67,11 @@ def build_trainer(cfg: DDPConfig, callbacks: Sequence[UserCallback] = ()) -> Tor
 
 
 def summarize(result, cfg: DDPConfig) -> dict:
-    """The final JSON line: last reported metrics plus where the model is."""
+    """The final JSON line: last reported metrics plus where the model is, as paths or URIs a user
+    can paste back (Ray's checkpoint path has lost the URI's scheme and query)."""
     metrics = dict(result.metrics or {})
-    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    run = join(cfg.storage_path, cfg.name)
+    checkpoint = join(run, name_of(result.checkpoint.path)) if result.checkpoint is not None else None
     return {
         "val_accuracy": metrics.get("val_accuracy"),
         "val_loss": metrics.get("val_loss"),
@@ -80,8 +84,8 @@ def summarize(result, cfg: DDPConfig) -> dict:
         "lr": metrics.get("lr"),
         "samples_per_second": metrics.get("samples_per_second"),
         "checkpoint": checkpoint,
-        "model": f"{checkpoint}/{MODEL_FILE}" if checkpoint else None,
-        "run": f"{cfg.storage_path.rstrip('/')}/{cfg.name}",
+        "model": join(checkpoint, MODEL_FILE) if checkpoint else None,
+        "run": run,
     }
 
 
@@ -91,5 +95,5 @@ def run_ddp(cfg: DDPConfig) -> dict:
     ``cfg`` must have passed ``with_checked_data``."""
     cfg = with_cluster_settings(cfg)
     summary = summarize(build_trainer(cfg).fit(), cfg)
-    write_result(summary["run"], summary)
+    write_result(locate(cfg.storage_path, "--storage-path").child(cfg.name), summary)
     return summary

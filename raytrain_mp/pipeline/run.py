@@ -7,7 +7,9 @@ Reads top to bottom like the DDP loop, but on the driver: data, model, restore, 
   resumed run sees the same batches an uninterrupted one would.
 - A checkpoint folder holds one merged ``model.pt`` (the plain model's state dict, loadable with
   ``strict=True``) and ``train_state.pt`` with each stage's optimizer state; it is written into a
-  temporary folder and renamed into ``STORAGE/NAME/checkpoint_EEEEEE``, so it is never half there.
+  local temporary folder and published as ``STORAGE/NAME/checkpoint_EEEEEE`` (``storage``: renamed
+  locally, uploaded with a completion marker last on object stores), so it is never half there,
+  and resuming only ever picks a complete one.
 - A stage failure (``StageFailedError``) with failures left rebuilds every stage from the newest
   checkpoint (or the initial model when there is none yet) and continues from there.
 - The stage split is part of the run: checkpoints record it (``train_state["split_points"]``, the
@@ -31,12 +33,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from raytrain_mp.checkpointing import STATE_FILE, read_checkpoint, rng_states, set_rng_states, write_checkpoint, write_result
+from raytrain_mp.checkpointing import MODEL_FILE, load_checkpoint, rng_states, set_rng_states, write_checkpoint, write_result
 from raytrain_mp.config import absolute_path, to_yaml
 from raytrain_mp.pipeline.config import PipelineConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
+from raytrain_mp.storage import Location, check_reachable, delete_folder, is_complete, is_uri, latest_complete, locate, publish_folder
 from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.models import build_model, wants_small_stem
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
@@ -82,24 +85,30 @@ def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
         raise as_flag_error(exc) from None
     name = cfg.name or time.strftime("pipeline-%Y%m%d-%H%M%S")
     cfg = dataclasses.replace(cfg, data=data, name=name, storage_path=absolute_path(cfg.storage_path))
+    check_reachable(locate(cfg.storage_path, "--storage-path"), "--storage-path")
     return with_saved_split(cfg, names)
 
 
-def resume_point(cfg: PipelineConfig) -> Path | None:
-    """The checkpoint a run continues from: its own newest, else ``--resume-from``."""
-    return latest_checkpoint(Path(cfg.storage_path) / cfg.name) or (Path(cfg.resume_from) if cfg.resume_from else None)
+def run_location(cfg: PipelineConfig) -> Location:
+    return locate(cfg.storage_path, "--storage-path").child(cfg.name)
+
+
+def resume_point(cfg: PipelineConfig) -> Location | None:
+    """The checkpoint a run continues from: its own newest complete one, else ``--resume-from``."""
+    own = latest_complete(run_location(cfg), CHECKPOINT_PREFIX)
+    return own or (locate(cfg.resume_from, "--resume-from") if cfg.resume_from else None)
 
 
 def with_saved_split(cfg: PipelineConfig, names: list[str]) -> PipelineConfig:
     """``cfg`` cut where the checkpoint it resumes from was cut; a different cut of the model's
     blocks ``names`` is a UsageError."""
     resume = resume_point(cfg)
-    if resume is None or not (resume / STATE_FILE).is_file():
+    if resume is None:
         return cfg
-    saved = torch.load(resume / STATE_FILE, map_location="cpu", weights_only=False).get("split_points")
+    saved = load_checkpoint(resume)[1].get("split_points")
     if saved is None:  # a checkpoint from before splits were recorded: balance again
         return cfg
-    where = f"{resume} was trained with {len(saved) + 1} stages cut before {','.join(saved) or '(nothing)'}"
+    where = f"{resume.uri} was trained with {len(saved) + 1} stages cut before {','.join(saved) or '(nothing)'}"
     same_cut = cfg.split_points is None or split_bounds(names, cfg.split_points, cfg.stages) == split_bounds(names, saved, len(saved) + 1)
     if not same_cut:
         raise UsageError(
@@ -111,19 +120,21 @@ def with_saved_split(cfg: PipelineConfig, names: list[str]) -> PipelineConfig:
     return dataclasses.replace(cfg, split_points=saved)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = sorted(run_dir.glob(f"{CHECKPOINT_PREFIX}*"))
-    return found[-1] if found else None
+def local_parent(run: Location) -> str | None:
+    """Where a checkpoint is written before publishing: inside a local run folder (so publishing
+    is a rename on one filesystem), else the system's temporary folder."""
+    if is_uri(run.uri):
+        return None
+    Path(run.path).mkdir(parents=True, exist_ok=True)
+    return run.path
 
 
-def publish_checkpoint(folder: Path, run_dir: Path, epoch: int, num_to_keep: int) -> Path:
-    """Rename a complete checkpoint folder into the run, then drop the oldest beyond ``num_to_keep``."""
-    target = run_dir / f"{CHECKPOINT_PREFIX}{epoch:06d}"
-    folder.rename(target)
-    for old in sorted(run_dir.glob(f"{CHECKPOINT_PREFIX}*"))[:-num_to_keep]:
-        for file in old.iterdir():
-            file.unlink()
-        old.rmdir()
+def publish_checkpoint(folder: Path, run: Location, epoch: int, num_to_keep: int) -> Location:
+    """Publish a complete local checkpoint folder into the run, then drop the oldest beyond ``num_to_keep``."""
+    target = run.child(f"{CHECKPOINT_PREFIX}{epoch:06d}")
+    publish_folder(folder, target)
+    for old in [f for f in run.folders(CHECKPOINT_PREFIX) if is_complete(f)][:-num_to_keep]:
+        delete_folder(old)
     return target
 
 
@@ -167,8 +178,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         cfg.base_lr, cfg.global_batch_size, cfg.base_batch, cfg.lr_rule, cfg.warmup_epochs,
         cfg.epochs, steps_per_epoch, cfg.lr_decay, cfg.step_epochs, cfg.gamma,
     )  # fmt: skip
-    run_dir = Path(cfg.storage_path) / cfg.name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run = run_location(cfg)
     sample = torch.stack([train_ds[i][0] for i in range(cfg.global_batch_size)])  # what time balancing profiles
 
     failures = 0
@@ -177,12 +187,12 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         resume = resume_point(cfg)
         start_epoch, optimizer_states = 0, None
         if resume is not None:
-            model_state, train_state = read_checkpoint(resume)
+            model_state, train_state = load_checkpoint(resume)
             model.load_state_dict(model_state, strict=True)
             optimizer_states = train_state["optimizer"]
             set_rng_states(train_state["rng"])
             start_epoch = train_state["epoch"] + 1
-            print(f"resuming from {resume} at epoch {start_epoch + 1}", flush=True)
+            print(f"resuming from {resume.uri} at epoch {start_epoch + 1}", flush=True)
         try:
             trainer = make_trainer(cfg, model, schedule(start_epoch * steps_per_epoch), sample)
         except UsageError as exc:
@@ -195,10 +205,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             trainer.steps_done = start_epoch * steps_per_epoch
             for plan, node in zip(trainer.plan, trainer.nodes):
                 print(f"{describe(plan)} on node {node[:8]}", flush=True)
-            summary = train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, start_epoch, run_dir)
+            summary = train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, start_epoch, run)
             stages = [{**dataclasses.asdict(plan), "node_id": node} for plan, node in zip(trainer.plan, trainer.nodes)]
-            result = {**summary, "num_nodes": len(set(trainer.nodes)), "stages": stages, "run": str(run_dir)}
-            write_result(str(run_dir), result)
+            result = {**summary, "num_nodes": len(set(trainer.nodes)), "stages": stages, "run": run.uri}
+            write_result(run, result)
             return result
         except StageFailedError as exc:
             if failures >= cfg.max_failures:
@@ -228,9 +238,9 @@ def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch
     )  # fmt: skip
 
 
-def train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, start_epoch, run_dir) -> dict:
+def train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, start_epoch, run: Location) -> dict:
     metrics: dict = {}
-    checkpoint = latest_checkpoint(run_dir)
+    checkpoint = latest_complete(run, CHECKPOINT_PREFIX)
     for epoch in range(start_epoch, cfg.epochs):
         train_ds.set_epoch(epoch)
         started = time.perf_counter()
@@ -261,8 +271,8 @@ def train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, 
                 "rng": rng_states(),
                 "split_points": cfg.split_points,
             }
-            folder = write_checkpoint(trainer.state_dict(), train_state, to_yaml(cfg), parent=str(run_dir))
-            checkpoint = publish_checkpoint(folder, run_dir, epoch + 1, cfg.num_to_keep)
+            folder = write_checkpoint(trainer.state_dict(), train_state, to_yaml(cfg), parent=local_parent(run))
+            checkpoint = publish_checkpoint(folder, run, epoch + 1, cfg.num_to_keep)
         print(
             f"epoch {epoch + 1}/{cfg.epochs} train_loss {metrics['train_loss']:.4f} val_loss {metrics['val_loss']:.4f} "
             f"val_accuracy {metrics['val_accuracy']:.4f} samples/s {metrics['samples_per_second']:.1f} "
@@ -282,6 +292,6 @@ def train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, 
         "global_batch_size": cfg.global_batch_size,
         "samples_per_second": metrics.get("samples_per_second"),
         "bubble_fraction": metrics.get("bubble_fraction"),
-        "checkpoint": str(checkpoint) if checkpoint else None,
-        "model": str(checkpoint / "model.pt") if checkpoint else None,
+        "checkpoint": checkpoint.uri if checkpoint else None,
+        "model": checkpoint.child(MODEL_FILE).uri if checkpoint else None,
     }

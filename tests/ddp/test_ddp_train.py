@@ -149,7 +149,7 @@ def test_checkpoints_are_named_by_epoch_and_the_lr_is_the_last_steps(fp64_runs, 
     result = fp64_runs["two"]
     assert Path(result["checkpoint"]).name == "checkpoint_000002"  # as the pipeline names them
     assert sorted(p.name for p in Path(result["run"]).glob("checkpoint_*") if p.is_dir()) == ["checkpoint_000001", "checkpoint_000002"]
-    # 1437 training samples, global batch 256: 5 steps an epoch; the reported lr is the 10th step's, not 0.
+    # 1438 training samples, global batch 256: 5 steps an epoch; the reported lr is the 10th step's, not 0.
     schedule = make_schedule(0.1, 256, 256, "linear", 1.0, 2, 5, "cosine", 30, 0.1)
     assert result["lr"] == pytest.approx(schedule(9), rel=1e-12) and result["lr"] > 0
 

@@ -1,0 +1,179 @@
+"""Where runs, checkpoints and data sets live: local folders, mounted (NFS) folders and object
+stores (``s3://``, ``gs://``, ...), behind one interface built on pyarrow's filesystems, the layer
+Ray Train itself writes checkpoints through.
+
+Why not fsspec or Ray's own ``StorageContext``: pyarrow is already a dependency (Parquet), its
+``FileSystem.from_uri`` reads the endpoint of an S3-compatible store from the URI's query
+(``?endpoint_override=HOST:PORT&scheme=http``) and the usual ``AWS_*`` variables, and Ray's storage
+context is internal API. What pyarrow lacks is kept here: joining paths under a URI that has a
+query, and publishing a folder so that it is never seen half-written.
+
+Invariants:
+- A location is a local absolute path (``~`` expanded) or a URI that keeps its scheme and query, so
+  every path this tool prints can be pasted back into any option.
+- ``publish_folder`` makes a folder visible only when complete. Locally it is written beside its
+  target and renamed (atomic). On object stores, which have no rename, every file is uploaded and
+  ``COMPLETE_MARKER`` last; ``is_complete`` is what readers ask, so a folder torn by a crash during
+  the upload is never picked (``latest_complete``).
+- A bad location is one ``UsageError`` naming the option: an unknown scheme, a URI without a
+  bucket, a store that refuses the request.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from raytrain_mp.errors import UsageError
+
+COMPLETE_MARKER = ".complete"
+
+
+def is_uri(location: str) -> bool:
+    return "://" in location
+
+
+def split_query(uri: str) -> tuple[str, str]:
+    """``("s3://b/runs", "?endpoint_override=...")`` of ``s3://b/runs?endpoint_override=...``."""
+    base, sep, query = uri.partition("?")
+    return base, sep + query
+
+
+def join(location: str, *parts: str) -> str:
+    """``location/part/...``, with a URI's query kept at the end."""
+    base, query = split_query(location)
+    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)]) + query
+
+
+def name_of(location: str) -> str:
+    """The last path component (a checkpoint folder's name, say)."""
+    return split_query(location)[0].rstrip("/").rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Location:
+    """A place in a filesystem: ``fs`` and ``path`` for pyarrow, ``uri`` for people."""
+
+    fs: pafs.FileSystem
+    path: str
+    uri: str
+
+    def child(self, *parts: str) -> Location:
+        return Location(self.fs, "/".join([self.path.rstrip("/"), *parts]), join(self.uri, *parts))
+
+    def exists(self) -> bool:
+        return self.fs.get_file_info(self.path).type != pafs.FileType.NotFound
+
+    def is_file(self) -> bool:
+        return self.fs.get_file_info(self.path).type == pafs.FileType.File
+
+    def read_bytes(self) -> bytes:
+        with self.fs.open_input_stream(self.path) as f:
+            return f.read()
+
+    def write_bytes(self, data: bytes) -> None:
+        """Write one file (an object store's PUT is atomic; locally via a renamed temporary file)."""
+        if isinstance(self.fs, pafs.LocalFileSystem):
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=Path(self.path).parent)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+            return
+        with self.fs.open_output_stream(self.path) as f:
+            f.write(data)
+
+    def folders(self, prefix: str) -> list[Location]:
+        """The sub-folders whose names start with ``prefix``, by name."""
+        if not self.exists():
+            return []
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=False))
+        names = sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith(prefix))
+        return [self.child(name) for name in names]
+
+
+def locate(location: str, option: str) -> Location:
+    """The ``Location`` of a local path or URI given to ``option``; a bad one is a UsageError."""
+    if not is_uri(location):
+        path = str(Path(location).expanduser().resolve())
+        return Location(pafs.LocalFileSystem(), path, path)
+    try:
+        fs, path = pafs.FileSystem.from_uri(location)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
+        scheme = location.split("://", 1)[0]
+        reason = " ".join(str(exc).split())
+        raise UsageError(f"{option}: cannot use {location} ({reason}); accepted: a local folder or a URI such as s3://BUCKET/PATH (scheme {scheme!r} given)") from None
+    return Location(fs, path.rstrip("/") or path, split_query(location)[0].rstrip("/") + split_query(location)[1])
+
+
+def check_reachable(location: Location, option: str) -> None:
+    """Ask the store once (a listing of the bucket or folder), so a missing bucket or refused
+    credentials stop the command before anything runs; local folders are checked elsewhere."""
+    if isinstance(location.fs, pafs.LocalFileSystem):
+        return
+    bucket = location.path.split("/", 1)[0]
+    try:
+        info = location.fs.get_file_info(bucket)
+    except OSError as exc:
+        raise UsageError(f"{option}: {location.uri}: the store refused the request ({' '.join(str(exc).split())})") from None
+    if info.type == pafs.FileType.NotFound:
+        raise UsageError(f"{option}: {location.uri}: no bucket {bucket!r}; create it first")
+
+
+def is_complete(folder: Location) -> bool:
+    """A published folder: locally any folder (publishing renames whole folders), on object stores
+    only one whose marker was uploaded last."""
+    if isinstance(folder.fs, pafs.LocalFileSystem):
+        return folder.exists()
+    return folder.child(COMPLETE_MARKER).is_file()
+
+
+def latest_complete(parent: Location, prefix: str) -> Location | None:
+    """The last (by name) complete sub-folder of ``parent`` starting with ``prefix``."""
+    complete = [folder for folder in parent.folders(prefix) if is_complete(folder)]
+    return complete[-1] if complete else None
+
+
+def publish_folder(local: Path, target: Location, last: str | None = None) -> None:
+    """Make the finished local folder ``local`` visible as ``target``, all at once (see module doc).
+    On object stores the file named ``last`` (a data set's metadata, say) is uploaded after all
+    the others and serves as the marker; without one, an empty ``COMPLETE_MARKER`` is written
+    last. ``local`` is consumed."""
+    if isinstance(target.fs, pafs.LocalFileSystem):
+        Path(target.path).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(local, target.path)
+        return
+    target.fs.create_dir(target.path, recursive=True)
+    files = sorted((p for p in local.rglob("*") if p.is_file()), key=lambda p: (p.name == last, str(p)))
+    for file in files:
+        pafs.copy_files(str(file), target.child(*file.relative_to(local).parts).path,
+                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=target.fs)  # fmt: skip
+    if last is None:
+        target.child(COMPLETE_MARKER).write_bytes(b"")
+    shutil.rmtree(local)
+
+
+def delete_folder(folder: Location, marker: str = COMPLETE_MARKER) -> None:
+    """Remove a published folder; on object stores its marker goes first, so a half-deleted folder
+    is already incomplete."""
+    if not isinstance(folder.fs, pafs.LocalFileSystem) and folder.child(marker).is_file():
+        folder.fs.delete_file(folder.child(marker).path)
+    folder.fs.delete_dir(folder.path)
+
+
+def download_folder(folder: Location, local: Path) -> Path:
+    """Copy a folder (a checkpoint to load, say) into the local folder ``local``; returns it."""
+    if isinstance(folder.fs, pafs.LocalFileSystem):
+        return Path(folder.path)
+    for info in folder.fs.get_file_info(pafs.FileSelector(folder.path, recursive=True)):
+        if info.type == pafs.FileType.File:
+            target = local / info.path[len(folder.path) + 1:]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(Location(folder.fs, info.path, "").read_bytes())
+    return local

@@ -1,0 +1,78 @@
+"""The storage layer against a real S3 protocol server on 127.0.0.1 (and the local filesystem):
+URIs keep their scheme and query, a folder is visible only when complete, a torn one is never
+picked, and bad locations are one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_mp.errors import UsageError
+from raytrain_mp.storage import (
+    COMPLETE_MARKER,
+    check_reachable,
+    is_complete,
+    join,
+    latest_complete,
+    locate,
+    name_of,
+    publish_folder,
+)
+
+
+def test_join_keeps_the_query_at_the_end():
+    uri = "s3://b/runs?endpoint_override=127.0.0.1:9000&scheme=http"
+    assert join(uri, "r1", "checkpoint_000002") == "s3://b/runs/r1/checkpoint_000002?endpoint_override=127.0.0.1:9000&scheme=http"
+    assert name_of(join(uri, "r1", "checkpoint_000002")) == "checkpoint_000002"
+    assert join("/tmp/runs/", "r1") == "/tmp/runs/r1"
+
+
+def local_checkpoint(tmp_path, name: str):
+    folder = tmp_path / name
+    (folder / "sub").mkdir(parents=True)
+    (folder / "model.pt").write_bytes(b"model")
+    (folder / "sub" / "x").write_bytes(b"x")
+    return folder
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_published_folders_are_complete_and_torn_ones_are_never_picked(where, bucket, tmp_path):
+    run = locate(join(bucket, "runs", "r1") if where == "s3" else str(tmp_path / "runs" / "r1"), "--storage-path")
+    publish_folder(local_checkpoint(tmp_path, "a"), run.child("checkpoint_000001"))
+    publish_folder(local_checkpoint(tmp_path, "b"), run.child("checkpoint_000002"))
+    assert [f.uri for f in run.folders("checkpoint_")] == [run.child(f"checkpoint_00000{i}").uri for i in (1, 2)]
+    assert run.child("checkpoint_000002", "sub", "x").read_bytes() == b"x"
+    assert latest_complete(run, "checkpoint_").uri == run.child("checkpoint_000002").uri
+    if where == "s3":
+        # An upload killed half-way: files there, no marker. It is never chosen.
+        torn = run.child("checkpoint_000003")
+        torn.child("model.pt").write_bytes(b"half")
+        assert not is_complete(torn) and is_complete(run.child("checkpoint_000002"))
+        assert latest_complete(run, "checkpoint_").uri == run.child("checkpoint_000002").uri
+        assert run.child("checkpoint_000002", COMPLETE_MARKER).is_file()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # consumed
+
+
+def test_bad_locations_are_one_line(bucket, s3_endpoint):
+    with pytest.raises(UsageError) as info:
+        locate("foo://x/y", "--storage-path")
+    assert str(info.value) == (
+        "--storage-path: cannot use foo://x/y (Unrecognized filesystem type in URI: foo://x/y); "
+        "accepted: a local folder or a URI such as s3://BUCKET/PATH (scheme 'foo' given)"
+    )
+    with pytest.raises(UsageError, match=r"^--data: cannot use s3:///x\?.*\(Missing bucket name in S3 URI\)"):
+        locate(f"s3:///x?endpoint_override={s3_endpoint}&scheme=http", "--data")
+    missing = f"s3://no-such-bucket/runs?endpoint_override={s3_endpoint}&scheme=http"
+    with pytest.raises(UsageError) as info:
+        check_reachable(locate(missing, "--storage-path"), "--storage-path")
+    assert str(info.value) == f"--storage-path: {missing}: no bucket 'no-such-bucket'; create it first"
+    check_reachable(locate(bucket, "--storage-path"), "--storage-path")  # the fixture's bucket exists
+
+
+def test_download_folder_copies_every_file(bucket, tmp_path):
+    from raytrain_mp.storage import download_folder
+
+    target = locate(join(bucket, "c"), "--resume-from")
+    publish_folder(local_checkpoint(tmp_path, "a"), target)
+    got = download_folder(target, tmp_path / "down")
+    assert sorted(str(p.relative_to(got)) for p in got.rglob("*") if p.is_file()) == [COMPLETE_MARKER, "model.pt", "sub/x"]
+    assert (got / "sub" / "x").read_bytes() == b"x"
