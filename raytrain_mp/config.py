@@ -193,11 +193,14 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, positional: tuple[
 
 
 def read_yaml(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
+    """The options of a YAML file, local or at a URI (a sweep's best.yaml in a bucket, say)."""
+    from raytrain_mp.storage import locate
+
+    file = locate(path, "--config")
+    if not file.is_file():
         raise UsageError(f"--config: no such file {path}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(file.read_bytes().decode()) or {}
     except yaml.YAMLError as exc:
         raise UsageError(f"--config: {path} is not valid YAML ({' '.join(str(exc).split())})") from exc
     if not isinstance(data, dict):

@@ -127,9 +127,49 @@ def last_json(out: str) -> dict:
     return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 
+README_S3 = "127.0.0.1:9000"  # the endpoint of the README's Storage section
+README_BUCKET = "raytrain"
+
+
+@pytest.fixture(scope="module")
+def readme_s3():
+    """An S3 protocol server (moto) where the README's Storage section expects one, with its bucket."""
+    import logging
+
+    import pyarrow.fs as pafs
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    host, port = README_S3.split(":")
+    server = ThreadedMotoServer(ip_address=host, port=int(port), verbose=False)
+    server.start()  # fails loudly if port 9000 is taken: the README's commands name it
+    fs, _ = pafs.FileSystem.from_uri(f"s3://{README_BUCKET}?endpoint_override={README_S3}&scheme=http&allow_bucket_creation=true")
+    fs.create_dir(README_BUCKET)
+    yield
+    server.stop()
+
+
+def check_s3_output(command: str, out: str) -> None:
+    """A Storage-section command: what it reports is in the bucket, and nothing went to a local "s3:" folder."""
+    from raytrain_mp.data import read_meta
+    from raytrain_mp.storage import locate
+
+    if command.startswith("raytrain-mp data prepare"):
+        assert read_meta(command.split('--out "')[1].split('"')[0]).counts["train"] == 1438
+        return
+    result = last_json(out)
+    assert result["epochs"] == 1 and result["run"].startswith(f"s3://{README_BUCKET}/runs/")
+    for key in ("checkpoint", "model"):
+        assert result[key].endswith(f"?endpoint_override={README_S3}&scheme=http"), result[key]
+    assert locate(result["model"], "--weights").is_file() and locate(result["run"], "--storage-path").child("result.json").is_file()
+
+
 def check_output(command: str, out: str, home: Path, work: Path) -> None:
     """What each command must have produced, beyond exit code 0."""
-    if command.startswith("pip install -e . && raytrain-mp ddp"):
+    assert not list(work.glob("s3:*")), "a URI was written as a local folder"
+    if '"s3://' in command:
+        check_s3_output(command, out)
+    elif command.startswith("pip install -e . && raytrain-mp ddp"):
         accuracy = re.findall(r"epoch 6/6 .*val_accuracy (\d\.\d+)", out)
         assert accuracy and float(accuracy[-1]) >= 0.95, out[-2000:]
         assert list((home / ".cache" / "raytrain_mp").iterdir())  # digits prepared into the default cache
@@ -154,7 +194,7 @@ def check_output(command: str, out: str, home: Path, work: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def fresh_user(tmp_path_factory):
+def fresh_user(tmp_path_factory, readme_s3):
     """A HOME with the files the README's commands expect to find there, and an empty work folder."""
     home = tmp_path_factory.mktemp("home")
     write_cifar_tree(home / "cifar-10-batches-py")

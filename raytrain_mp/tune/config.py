@@ -21,7 +21,6 @@ import dataclasses
 import math
 import random
 import typing
-from pathlib import Path
 from typing import Any
 
 from raytrain_mp.config import absolute_path, build_config, check, check_choice, flag_name, option
@@ -183,15 +182,18 @@ def tune_config_from_args(args: argparse.Namespace | dict[str, Any]) -> Any:
     given = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
     if given.get("resume") is None:
         return build_config(TuneConfig, given)
+    from raytrain_mp.storage import join, locate
+
     resume = absolute_path(given["resume"])
-    check((Path(resume) / SWEEP_FILE).is_file(), "resume", f"{given['resume']} holds no {SWEEP_FILE}; accepted: a folder made by raytrain-mp tune")
+    saved = join(resume, SWEEP_FILE)
+    check(locate(saved, "--resume").is_file(), "resume", f"{given['resume']} holds no {SWEEP_FILE}; accepted: a folder made by raytrain-mp tune")
     # Trials already ran with the saved options; other values would make one sweep of two.
     extra = sorted(set(given) - {"resume", "address", "json"})
     if extra:
         raise UsageError(
-            f"--resume takes every option from {Path(resume) / SWEEP_FILE}; drop {', '.join(flag_name(name) for name in extra)}"
+            f"--resume takes every option from {saved}; drop {', '.join(flag_name(name) for name in extra)}"
         )
-    return build_config(TuneConfig, {**given, "config": str(Path(resume) / SWEEP_FILE), "resume": resume})
+    return build_config(TuneConfig, {**given, "config": saved, "resume": resume})
 
 
 def trial_config(template: DDPConfig, params: dict[str, Any], **overrides: Any) -> DDPConfig:

@@ -27,12 +27,12 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.csv as pa_csv
-import pyarrow.fs as pa_fs
 import pyarrow.parquet as pq
 import yaml
 
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.lr_schedule import scaled_lr
+from raytrain_mp.storage import locate
 from raytrain_mp.tune.config import PER_TRIAL, trial_config
 
 TABLE_NAME = "sweep_table"
@@ -204,12 +204,7 @@ def plot_png(rows: Sequence[dict[str, Any]], subtitle: str) -> bytes:
 
 
 def write_file(folder: str, name: str, data: bytes) -> str:
-    """Write ``data`` to ``folder/name`` (a local folder or a pyarrow URI) and return that path."""
-    if "://" in folder:
-        fs, root = pa_fs.FileSystem.from_uri(folder)
-    else:
-        fs, root = pa_fs.LocalFileSystem(), folder
-    fs.create_dir(root, recursive=True)
-    with fs.open_output_stream(f"{root.rstrip('/')}/{name}") as out:
-        out.write(data)
-    return f"{folder.rstrip('/')}/{name}"
+    """Write ``data`` to ``folder/name`` (a local folder or a URI) and return that path or URI."""
+    file = locate(folder, "--storage-path").child(name)
+    file.write_bytes(data)
+    return file.uri

@@ -44,6 +44,7 @@ from raytrain_mp.ddp.trainer import (
     with_cluster_settings,
 )
 from raytrain_mp.errors import UsageError
+from raytrain_mp.storage import join, locate
 from raytrain_mp.tune.config import (
     PER_TRIAL,
     SWEEP_FILE,
@@ -71,11 +72,9 @@ def prepared(cfg: Any) -> Any:
         storage_path=absolute_path(cfg.storage_path),
         name=cfg.name or time.strftime("tune-%Y%m%d-%H%M%S"),
     )
-    if cfg.resume is None and "://" not in cfg.storage_path and (Path(cfg.storage_path) / cfg.name).exists():
-        raise UsageError(
-            f"--name: {Path(cfg.storage_path) / cfg.name} exists; finish it with --resume {Path(cfg.storage_path) / cfg.name}, "
-            "or choose another --name"
-        )
+    experiment = locate(cfg.storage_path, "--storage-path").child(cfg.name)
+    if cfg.resume is None and experiment.exists():
+        raise UsageError(f"--name: {experiment.uri} exists; finish it with --resume {experiment.uri}, or choose another --name")
     return cfg
 
 
@@ -137,7 +136,7 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
     template = dataclasses.replace(
         with_cluster_settings(cfg.template()), name=None, data=absolute_path(resolve_dataset(cfg.data))
     )
-    experiment = cfg.resume or f"{cfg.storage_path.rstrip('/')}/{cfg.name}"
+    experiment = cfg.resume or join(cfg.storage_path, cfg.name)
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, template=template, experiment=experiment), {"cpu": TRIAL_DRIVER_CPUS}
     )
