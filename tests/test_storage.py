@@ -76,3 +76,51 @@ def test_download_folder_copies_every_file(bucket, tmp_path):
     got = download_folder(target, tmp_path / "down")
     assert sorted(str(p.relative_to(got)) for p in got.rglob("*") if p.is_file()) == [COMPLETE_MARKER, "model.pt", "sub/x"]
     assert (got / "sub" / "x").read_bytes() == b"x"
+
+
+def test_a_store_that_refuses_is_one_line():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once the socket is closed
+    uri = f"s3://bucket/runs?endpoint_override=127.0.0.1:{port}&scheme=http"
+    with pytest.raises(UsageError, match=rf"^--storage-path: s3://bucket/runs\?.*: the store refused the request \(.+\)$"):
+        check_reachable(locate(uri, "--storage-path"), "--storage-path")
+
+
+def test_an_upload_killed_half_way_is_never_chosen(bucket, tmp_path):
+    """A real kill: a process publishing a 300-file folder is SIGKILLed once 5 files are in the bucket."""
+    import subprocess
+    import sys
+
+    source = tmp_path / "big"
+    source.mkdir()
+    for i in range(300):
+        (source / f"part-{i:03d}").write_bytes(b"x" * 1000)
+    run = locate(join(bucket, "runs", "r1"), "--storage-path")
+    publish_folder(local_checkpoint(tmp_path, "first"), run.child("checkpoint_000001"))
+    code = f"""
+import os, signal, threading, time
+import pyarrow.fs as pafs
+from pathlib import Path
+from raytrain_mp.storage import locate, join, publish_folder
+target = locate({run.child("checkpoint_000002").uri!r}, "--storage-path")
+def kill_after_five():
+    while True:
+        try:
+            n = len(target.fs.get_file_info(pafs.FileSelector(target.path, allow_not_found=True)))
+        except OSError:
+            n = 0
+        if n >= 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.005)
+threading.Thread(target=kill_after_five, daemon=True).start()
+publish_folder(Path({str(source)!r}), target)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr[-2000:]
+    torn = run.child("checkpoint_000002")
+    uploaded = torn.fs.get_file_info(__import__("pyarrow.fs").fs.FileSelector(torn.path))
+    assert 5 <= len(uploaded) < 300 and not is_complete(torn)
+    assert latest_complete(run, "checkpoint_").uri == run.child("checkpoint_000001").uri
