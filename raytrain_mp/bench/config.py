@@ -15,10 +15,16 @@ from raytrain_mp.models import MODEL_NAMES
 SEEDS_SPLIT = ("layer3",)
 
 
-def check_timing(steps: int, warmup: int) -> None:
-    """The shared checks of ``--steps`` and ``--warmup`` (for a config's ``validate``)."""
-    check(steps >= 1, "steps", f"must be >= 1, got {steps}")
-    check(warmup >= 0, "warmup", f"must be >= 0, got {warmup}")
+def check_shared(cfg: Any) -> None:
+    """The checks of the options both benchmarks have: model, output folder, input, timing."""
+    check_choice(cfg, "model")
+    check(bool(cfg.out), "out", "an output folder is required")
+    check_local("out", cfg.out, "a local folder (results.json and PNG plots are written there atomically)")
+    check_writable("out", cfg.out)
+    check(cfg.image_size >= 8, "image_size", f"must be >= 8, got {cfg.image_size}")
+    check(cfg.num_classes >= 2, "num_classes", f"must be >= 2, got {cfg.num_classes}")
+    check(cfg.steps >= 1, "steps", f"must be >= 1, got {cfg.steps}")
+    check(cfg.warmup >= 0, "warmup", f"must be >= 0, got {cfg.warmup}")
 
 
 @dataclasses.dataclass
@@ -42,18 +48,12 @@ class BenchDDPConfig:
     json: bool = False
 
     def validate(self) -> None:
-        check_choice(self, "model")
-        check(bool(self.out), "out", "an output folder is required")
-        check_local("out", self.out, "a local folder (results.json and PNG plots are written there atomically)")
-        check_writable("out", self.out)
-        check(self.image_size >= 8, "image_size", f"must be >= 8, got {self.image_size}")
+        check_shared(self)
         check(self.batch_size_per_worker >= 1, "batch_size_per_worker", f"must be >= 1, got {self.batch_size_per_worker}")
-        check(self.num_classes >= 2, "num_classes", f"must be >= 2, got {self.num_classes}")
         check(len(self.num_workers) >= 1 and min(self.num_workers) >= 1, "num_workers", f"each count must be >= 1, got {list(self.num_workers)}")
         check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
         check(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
         check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        check_timing(self.steps, self.warmup)
 
     def settings(self) -> dict[str, Any]:
         """What a worker needs (plain values: it travels as JSON to torchrun and to Ray workers)."""
@@ -86,13 +86,8 @@ class BenchPipelineConfig:
     json: bool = False
 
     def validate(self) -> None:
-        check_choice(self, "model")
-        check(bool(self.out), "out", "an output folder is required")
-        check_local("out", self.out, "a local folder (results.json and PNG plots are written there atomically)")
-        check_writable("out", self.out)
-        check(self.image_size >= 8, "image_size", f"must be >= 8, got {self.image_size}")
+        check_shared(self)
         check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")
-        check(self.num_classes >= 2, "num_classes", f"must be >= 2, got {self.num_classes}")
         check(self.stages >= 2, "stages", f"a pipeline needs at least 2 stages, got {self.stages}")
         check(self.cpus_per_stage >= 1, "cpus_per_stage", f"must be >= 1, got {self.cpus_per_stage}")
         check(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
@@ -109,7 +104,6 @@ class BenchPipelineConfig:
             "balance_microbatches",
             f"must be between 1 and --global-batch-size {self.global_batch_size}, got {self.balance_microbatches}",
         )
-        check_timing(self.steps, self.warmup)
 
     @property
     def sweep(self) -> list[int]:
