@@ -7,7 +7,7 @@ Layout, imports pointing down only (``tests/test_layout.py`` walks them):
   parallelism on stage actors), ``tune`` (learning-rate sweeps, builds on ``ddp``), ``bench``
   (benchmarks against their bare peers, builds on ``ddp`` and ``pipeline``);
 - the shared layer they all use: ``config`` (option machinery and the common training options),
-  ``checkpointing``, ``lr_schedule``, ``models``, ``optim``, ``cluster``, ``errors``, and ``data``
+  ``checkpointing``, ``lr_schedule``, ``models``, ``optim``, ``cluster``, ``storage``, ``errors``, and ``data``
   (the Parquet data sets every trainer reads).
 
 Public names: ``convert_sync_batchnorm``, ``scaled_lr``, ``PipelineTrainer``, imported on first use

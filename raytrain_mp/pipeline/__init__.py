@@ -5,7 +5,7 @@ Pure pieces (no Ray): ``blocks`` (model -> named blocks), ``partition`` (blocks 
 ``stage`` (one stage's actor body), ``trainer`` (``PipelineTrainer``, the driver) and ``run`` (the
 ``raytrain-mp pipeline`` training run over epochs); ``config`` holds its ``PipelineConfig``.
 
-May import: the shared layer (``raytrain_mp.config``, ``checkpointing``, ``cluster``, ``errors``,
+May import: the shared layer (``raytrain_mp.config``, ``checkpointing``, ``cluster``, ``storage``, ``errors``,
 ``lr_schedule``, ``models``, ``optim``) and ``raytrain_mp.data``; no other capability.
 """
 
