@@ -35,7 +35,7 @@ from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate
 from raytrain_mp.lr_schedule import make_schedule
-from raytrain_mp.storage import locate
+from raytrain_mp.storage import join, locate, name_of
 from raytrain_mp.models import build_model, wants_small_stem
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
@@ -117,7 +117,7 @@ def train_loop_per_worker(config: dict) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             model_state, train_state = read_checkpoint(d)
-        resume_dir = checkpoint.path
+        resume_dir = join(cfg.storage_path, cfg.name, name_of(checkpoint.path))  # Ray's path lacks a URI's scheme
     elif cfg.resume_from:
         model_state, train_state = load_checkpoint(locate(cfg.resume_from, "--resume-from"))
         resume_dir = cfg.resume_from
