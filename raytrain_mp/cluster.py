@@ -53,7 +53,7 @@ def ray_connection(address: str | None, verbose: bool = False) -> Iterator[bool]
             reason = " ".join(str(exc).split())
             raise UsageError(
                 f"--address: Ray at {joined} refused this client: {reason}; a cluster started with token "
-                "authentication needs RAY_AUTH_MODE=token here too"
+                "authentication needs its token here (~/.ray/auth_token, or RAY_AUTH_TOKEN) and RAY_AUTH_MODE=token"
             ) from None
     else:
         # A local Ray cannot be preempted, and Ray Train's preemption watcher logs a
