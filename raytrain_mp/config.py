@@ -258,9 +258,9 @@ def check_writable(name: str, path: str) -> None:
     """A local folder we can create and write into, or a URI of a store pyarrow knows (whether its
     bucket exists is asked of the store before any worker starts: ``storage.check_reachable``)."""
     if "://" in path:
-        from raytrain_mp.storage import locate
+        from raytrain_mp.storage import check_uri
 
-        locate(path, flag_name(name))
+        check_uri(path, flag_name(name))
         return
     p = Path(path).expanduser()
     existing = p

@@ -98,17 +98,34 @@ class Location:
         return [self.child(name) for name in names]
 
 
+# Schemes pyarrow's FileSystem.from_uri opens, and those whose first path part is a bucket.
+SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
+BUCKET_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss")
+
+
+def check_uri(location: str, option: str) -> None:
+    """The syntax of a URI (known scheme, a bucket where one is needed), without asking any store:
+    for ``validate()``, which must not touch the network (pyarrow looks up an S3 bucket's region)."""
+    scheme, _, rest = location.partition("://")
+    accepted = f"accepted: a local folder or a URI such as s3://BUCKET/PATH (schemes: {', '.join(SCHEMES)})"
+    if scheme not in SCHEMES:
+        raise UsageError(f"{option}: cannot use {location} (unknown scheme {scheme!r}); {accepted}")
+    if scheme in BUCKET_SCHEMES and not split_query(rest)[0].split("/", 1)[0]:
+        raise UsageError(f"{option}: cannot use {location} (no bucket name); {accepted}")
+
+
 def locate(location: str, option: str) -> Location:
     """The ``Location`` of a local path or URI given to ``option``; a bad one is a UsageError."""
     if not is_uri(location):
         path = str(Path(location).expanduser().resolve())
         return Location(pafs.LocalFileSystem(), path, path)
+    check_uri(location, option)
     try:
-        fs, path = pafs.FileSystem.from_uri(location)
+        fs, path = pafs.FileSystem.from_uri(location)  # on S3 without an endpoint: asks AWS for the bucket's region
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
-        scheme = location.split("://", 1)[0]
-        reason = " ".join(str(exc).split())
-        raise UsageError(f"{option}: cannot use {location} ({reason}); accepted: a local folder or a URI such as s3://BUCKET/PATH (scheme {scheme!r} given)") from None
+        raise UsageError(f"{option}: cannot use {location} ({' '.join(str(exc).split())}); accepted: a URI pyarrow opens") from None
+    except OSError as exc:
+        raise UsageError(f"{option}: {location}: the store refused the request ({' '.join(str(exc).split())})") from None
     return Location(fs, path.rstrip("/") or path, split_query(location)[0].rstrip("/") + split_query(location)[1])
 
 
