@@ -18,6 +18,7 @@ persistence layer, a rename) publishes it, so a crash never leaves a half-writte
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import tempfile
@@ -81,6 +82,11 @@ def finished_result(run: Location, epochs: int) -> dict[str, Any] | None:
         return None
     result = json.loads(file.read_bytes())
     return result if (result.get("epochs") or 0) >= epochs else None
+
+
+def load_train_state(folder: Location) -> dict:
+    """Only ``train_state.pt`` of a checkpoint folder anywhere (no model download)."""
+    return torch.load(io.BytesIO(folder.child(STATE_FILE).read_bytes()), map_location="cpu", weights_only=False)
 
 
 def load_checkpoint(folder: Location) -> tuple[dict, dict]:

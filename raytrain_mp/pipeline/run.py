@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from raytrain_mp.checkpointing import MODEL_FILE, load_checkpoint, rng_states, set_rng_states, write_checkpoint, write_result
+from raytrain_mp.checkpointing import MODEL_FILE, load_checkpoint, load_train_state, rng_states, set_rng_states, write_checkpoint, write_result
 from raytrain_mp.config import absolute_path, to_yaml
 from raytrain_mp.pipeline.config import PipelineConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta
@@ -105,7 +105,7 @@ def with_saved_split(cfg: PipelineConfig, names: list[str]) -> PipelineConfig:
     resume = resume_point(cfg)
     if resume is None:
         return cfg
-    saved = load_checkpoint(resume)[1].get("split_points")
+    saved = load_train_state(resume).get("split_points")
     if saved is None:  # a checkpoint from before splits were recorded: balance again
         return cfg
     where = f"{resume.uri} was trained with {len(saved) + 1} stages cut before {','.join(saved) or '(nothing)'}"
