@@ -22,8 +22,9 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
-from raytrain_mp.data.format import SCHEMA, DatasetMeta, filesystem, read_meta, split_path
+from raytrain_mp.data.format import SCHEMA, DatasetMeta, read_meta
 from raytrain_mp.errors import UsageError
+from raytrain_mp.storage import locate
 
 
 def _read_shard(fs, path: str, display: str) -> pa.Table:
@@ -72,10 +73,11 @@ class ParquetImageDataset(Dataset):
     def _open(self) -> pa.Table:
         if self._table is not None:
             return self._table
-        fs, base = filesystem(self.root)
+        location = locate(self.root, "--data")
         tables = []
         for name in self.meta.shards[self.split]:
-            tables.append(_read_shard(fs, split_path(base, self.split, name), split_path(self.root, self.split, name)))
+            shard = location.child(self.split, name)
+            tables.append(_read_shard(location.fs, shard.path, shard.uri))
         table = pa.concat_tables(tables)
         self._check(table)
         self._table = table

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raytrain_mp.errors import UsageError
+from raytrain_mp.storage import locate
 
 FORMAT_VERSION = 1
 META_FILE = "metadata.json"
@@ -52,24 +53,10 @@ class DatasetMeta:
         return json.dumps(asdict(self), indent=2)
 
 
-def split_path(root: str, split: str, name: str = "") -> str:
-    parts = [root.rstrip("/"), split] + ([name] if name else [])
-    return "/".join(parts)
-
-
-def filesystem(root: str) -> tuple[pafs.FileSystem, str]:
-    """The pyarrow filesystem and in-filesystem path for a local path or a URI (s3://, gs://...)."""
-    if "://" in root:
-        try:
-            return pafs.FileSystem.from_uri(root)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
-            raise UsageError(f"--data: cannot open {root}: {exc}") from exc
-    return pafs.LocalFileSystem(), root
-
-
 def read_meta(root: str) -> DatasetMeta:
     """Read and check ``metadata.json`` of a prepared data set folder."""
-    fs, path = filesystem(str(root))
+    location = locate(str(root), "--data")
+    fs, path = location.fs, location.path
     meta_path = f"{path.rstrip('/')}/{META_FILE}"
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
