@@ -64,6 +64,11 @@ class Location:
     path: str
     uri: str
 
+    @property
+    def is_local(self) -> bool:
+        """A local or mounted folder: renames are atomic there, and nothing needs a marker."""
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
     def child(self, *parts: str) -> Location:
         return Location(self.fs, "/".join([self.path.rstrip("/"), *parts]), join(self.uri, *parts))
 
@@ -79,7 +84,7 @@ class Location:
 
     def write_bytes(self, data: bytes) -> None:
         """Write one file (an object store's PUT is atomic; locally via a renamed temporary file)."""
-        if isinstance(self.fs, pafs.LocalFileSystem):
+        if self.is_local:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=Path(self.path).parent)
             with os.fdopen(fd, "wb") as f:
@@ -132,7 +137,7 @@ def locate(location: str, option: str) -> Location:
 def check_reachable(location: Location, option: str) -> None:
     """Ask the store once (a listing of the bucket or folder), so a missing bucket or refused
     credentials stop the command before anything runs; local folders are checked elsewhere."""
-    if isinstance(location.fs, pafs.LocalFileSystem):
+    if location.is_local:
         return
     bucket = location.path.split("/", 1)[0]
     try:
@@ -146,7 +151,7 @@ def check_reachable(location: Location, option: str) -> None:
 def is_complete(folder: Location) -> bool:
     """A published folder: locally any folder (publishing renames whole folders), on object stores
     only one whose marker was uploaded last."""
-    if isinstance(folder.fs, pafs.LocalFileSystem):
+    if folder.is_local:
         return folder.exists()
     return folder.child(COMPLETE_MARKER).is_file()
 
@@ -162,7 +167,7 @@ def publish_folder(local: Path, target: Location, last: str | None = None) -> No
     On object stores the file named ``last`` (a data set's metadata, say) is uploaded after all
     the others and serves as the marker; without one, an empty ``COMPLETE_MARKER`` is written
     last. ``local`` is consumed."""
-    if isinstance(target.fs, pafs.LocalFileSystem):
+    if target.is_local:
         Path(target.path).parent.mkdir(parents=True, exist_ok=True)
         os.replace(local, target.path)
         return
@@ -179,14 +184,14 @@ def publish_folder(local: Path, target: Location, last: str | None = None) -> No
 def delete_folder(folder: Location, marker: str = COMPLETE_MARKER) -> None:
     """Remove a published folder; on object stores its marker goes first, so a half-deleted folder
     is already incomplete."""
-    if not isinstance(folder.fs, pafs.LocalFileSystem) and folder.child(marker).is_file():
+    if not folder.is_local and folder.child(marker).is_file():
         folder.fs.delete_file(folder.child(marker).path)
     folder.fs.delete_dir(folder.path)
 
 
 def download_folder(folder: Location, local: Path) -> Path:
     """Copy a folder (a checkpoint to load, say) into the local folder ``local``; returns it."""
-    if isinstance(folder.fs, pafs.LocalFileSystem):
+    if folder.is_local:
         return Path(folder.path)
     for info in folder.fs.get_file_info(pafs.FileSelector(folder.path, recursive=True)):
         if info.type == pafs.FileType.File:

@@ -39,7 +39,7 @@ from raytrain_mp.pipeline.config import PipelineConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
-from raytrain_mp.storage import Location, check_reachable, delete_folder, is_complete, is_uri, latest_complete, locate, publish_folder
+from raytrain_mp.storage import Location, check_reachable, delete_folder, is_complete, latest_complete, locate, publish_folder
 from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.models import build_model, wants_small_stem
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
@@ -123,7 +123,7 @@ def with_saved_split(cfg: PipelineConfig, names: list[str]) -> PipelineConfig:
 def local_parent(run: Location) -> str | None:
     """Where a checkpoint is written before publishing: inside a local run folder (so publishing
     is a rename on one filesystem), else the system's temporary folder."""
-    if is_uri(run.uri):
+    if not run.is_local:
         return None
     Path(run.path).mkdir(parents=True, exist_ok=True)
     return run.path
