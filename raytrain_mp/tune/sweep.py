@@ -99,6 +99,18 @@ class ReleaseStoppedWorkerGroups(tune.Callback):
             release_orphaned_placement_groups()
 
 
+class SaveFinishedResults(tune.Callback):
+    """Make a finished trial's saved last result carry Tune's ``done``, as the live one does.
+
+    When a trial's function returns, Tune sets ``done`` on the trial's last result in place, which
+    does not clear the JSON its run metadata cached at the previous experiment save; the state file
+    then keeps the result without ``done`` and a resumed sweep would count the trial unfinished.
+    Clearing the cache when the trial completes makes the final save write the result as it is."""
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        trial.run_metadata.invalidate_cache()
+
+
 def release_orphaned_placement_groups() -> int:
     """Remove this job's non-detached placement groups whose creating actor is dead; return how many."""
     job = ray.get_runtime_context().get_job_id()
@@ -162,7 +174,7 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
                 name=cfg.name,
                 storage_path=cfg.storage_path,
                 failure_config=tune.FailureConfig(max_failures=0),
-                callbacks=[ReleaseStoppedWorkerGroups()],
+                callbacks=[ReleaseStoppedWorkerGroups(), SaveFinishedResults()],
             ),
         )
     results = tuner.fit()
