@@ -1,8 +1,8 @@
 """Pipelined model parallelism: a model cut into stages, one Ray actor each, run by a schedule.
 
 Pure pieces (no Ray): ``blocks`` (model -> named blocks), ``partition`` (blocks -> stages),
-``schedule`` (GPipe, 1F1B), ``microbatch`` (batch -> micro-batches), ``deferred_bn``. Ray pieces:
-``stage`` (one stage's actor body), ``trainer`` (``PipelineTrainer``, the driver) and ``run`` (the
+``schedule`` (names, limits, ideal bubbles), ``microbatch`` (batch -> micro-batches), ``deferred_bn``. Ray pieces:
+``stage`` (one rank's actor body, running torch.distributed.pipelining's schedules), ``trainer`` (``PipelineTrainer``, the driver) and ``run`` (the
 ``raytrain-mp pipeline`` training run over epochs); ``config`` holds its ``PipelineConfig``.
 
 May import: the shared layer (``raytrain_mp.config``, ``checkpointing``, ``cluster``, ``storage``, ``errors``,
@@ -20,8 +20,9 @@ _EXPORTS = {
     **dict.fromkeys(("DeferredBatchNorm", "commit_deferred_batchnorm", "convert_deferred_batchnorm"), "deferred_bn"),
     **dict.fromkeys(("MicroBatch", "check_microbatches", "split_batch"), "microbatch"),
     **dict.fromkeys(("BALANCE_MODES", "StagePlan", "balance_bounds", "plan_stages", "profile_blocks", "split_bounds"), "partition"),
-    **dict.fromkeys(("SCHEDULES", "build_schedule", "clock_ticks", "gpipe", "one_f_one_b"), "schedule"),
-    **dict.fromkeys(("PLACEMENT_STRATEGIES", "TRANSPORTS", "PipelineTrainer", "StageFailedError"), "trainer"),
+    **dict.fromkeys(("SCHEDULES", "build_schedule", "check_schedule", "clock_ticks", "gpipe", "ideal_bubble",
+                     "one_f_one_b"), "schedule"),
+    **dict.fromkeys(("PLACEMENT_STRATEGIES", "PipelineTrainer", "StageFailedError"), "trainer"),
 }
 
 __all__ = sorted(_EXPORTS)

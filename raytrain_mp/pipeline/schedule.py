@@ -1,7 +1,11 @@
-"""Pipeline schedules: which forward and backward each stage runs, in which order.
+"""Pipeline schedules: their names and limits, and what GPipe and 1F1B run in which order.
 
-Job: pure functions from (num_stages, num_microbatches) to per-stage op lists, and the clock-tick
-view that orders all ops globally. No Ray, no torch: the driver submits ops in tick order.
+Job: the pure side of the schedules. ``SCHEDULES`` names what ``PipelineTrainer`` runs (the runtime
+is ``torch.distributed.pipelining``'s, see ``stage``); ``check_schedule`` refuses, before any actor
+starts, what torch's schedules would refuse at run time; ``ideal_bubble`` is a schedule's bubble
+when every op costs the same; and ``gpipe``/``one_f_one_b`` spell out, per stage, the op order that
+torch's ``ScheduleGPipe`` and ``Schedule1F1B`` follow, which is what the benchmark's memory model and
+these tests reason about. No Ray, no torch.
 
 An op is ``("F", j)`` or ``("B", j)``: the forward or backward of micro-batch ``j``. Stage ``s``
 runs its list top to bottom. Dependencies: F(s, j) needs F(s-1, j); B(s, j) needs F(s, j) and
@@ -38,7 +42,10 @@ from raytrain_mp.errors import UsageError
 
 Op = tuple[str, int]
 FORWARD, BACKWARD = "F", "B"
-SCHEDULES = ("gpipe", "1f1b")
+# One stage per rank, and the interleaved ones with several ("virtual") stages per rank.
+FLAT_SCHEDULES = ("gpipe", "1f1b")
+INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "interleaved-zb")
+SCHEDULES = FLAT_SCHEDULES + INTERLEAVED_SCHEDULES
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
@@ -79,12 +86,49 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Op]]:
 
 
 def build_schedule(name: str, num_stages: int, num_microbatches: int) -> list[list[Op]]:
-    """The per-stage ops of the schedule called ``name`` (one of ``SCHEDULES``)."""
+    """The per-stage ops of the flat schedule called ``name`` (one of ``FLAT_SCHEDULES``)."""
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches)
     if name == "1f1b":
         return one_f_one_b(num_stages, num_microbatches)
-    raise UsageError(f"schedule: unknown schedule {name!r}; accepted: {', '.join(SCHEDULES)}")
+    raise UsageError(f"schedule: unknown schedule {name!r}; accepted: {', '.join(FLAT_SCHEDULES)}")
+
+
+def check_schedule(name: str, num_ranks: int, virtual_stages: int, num_microbatches: int) -> None:
+    """Raise ``UsageError`` for what torch's schedule ``name`` cannot run: ``num_ranks`` ranks with
+    ``virtual_stages`` stages each, over ``num_microbatches`` micro-batches."""
+    if name not in SCHEDULES:
+        raise UsageError(f"schedule: unknown schedule {name!r}; accepted: {', '.join(SCHEDULES)}")
+    _check_sizes(num_ranks, num_microbatches)
+    if name in FLAT_SCHEDULES and virtual_stages != 1:
+        raise UsageError(
+            f"virtual_stages: the {name} schedule runs one stage per rank, got {virtual_stages}; "
+            f"use {' or '.join(INTERLEAVED_SCHEDULES)} for several"
+        )
+    if name in INTERLEAVED_SCHEDULES:
+        if virtual_stages < 2:
+            raise UsageError(f"virtual_stages: {name} needs at least 2 stages per rank, got {virtual_stages}")
+        # Torch runs the micro-batches in rounds of about one per rank, all rounds equal.
+        rounds = max(1, num_microbatches // num_ranks)
+        if num_microbatches % rounds:
+            raise UsageError(
+                f"num_microbatches: {name} over {num_ranks} ranks runs {rounds} equal rounds of micro-batches, "
+                f"so m must be a multiple of {rounds}, got {num_microbatches}"
+            )
+    if name == "1f1b":
+        one_f_one_b(num_ranks, num_microbatches)
+
+
+def ideal_bubble(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """The share of the ranks' time a schedule leaves idle when every forward and backward costs
+    the same and communication is free: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for
+    interleaved 1F1B (Narayanan et al., 2021). The zero-bubble schedule has no closed form here."""
+    p, m = num_ranks, num_microbatches
+    if name in FLAT_SCHEDULES:
+        return (p - 1) / (m + p - 1)
+    if name == "interleaved-1f1b":
+        return (p - 1) / (virtual_stages * m + p - 1)
+    raise UsageError(f"schedule: no closed-form bubble for {name!r}; accepted: gpipe, 1f1b, interleaved-1f1b")
 
 
 def _dependencies(stage: int, op: Op, num_stages: int) -> list[tuple[int, Op]]:

@@ -1,36 +1,60 @@
-"""One pipeline stage: its modules, optimizer and device, driven op by op (a Ray actor's body).
+"""One pipeline rank: its stage modules, optimizer and device, running whole steps (a Ray actor's body).
 
-Job: run the forwards and backwards the driver submits for one stage, keep the autograd state of
-each micro-batch between its forward and its backward, compute the loss on the last stage, and
-step its own optimizer. ``StageWorker`` is a plain class; the trainer wraps it with ``ray.remote``
-(``num_gpus=1``: Ray sets ``CUDA_VISIBLE_DEVICES`` and the stage uses its single visible GPU;
-otherwise ``num_cpus`` slots, and torch gets exactly that many threads rather than whatever
-``OMP_NUM_THREADS`` says).
+Job: join the stages' torch.distributed process group (gloo on CPU, NCCL on GPU), and run each
+step's schedule locally with ``torch.distributed.pipelining``: the driver makes one call per rank
+per step, handing the inputs to rank 0 and the targets to the last rank once, and the ranks
+exchange activations and gradients point to point. ``StageWorker`` is a plain class; the trainer
+wraps it with ``ray.remote`` (``num_gpus=1``: Ray sets ``CUDA_VISIBLE_DEVICES`` and the rank uses
+its single visible GPU; otherwise ``num_cpus`` slots, and torch gets exactly that many threads).
+
+With ``virtual_stages`` V the model is cut into ``num_ranks * V`` stages and rank r holds stages
+r, r + num_ranks, ... (torch's interleaved layout); with V = 1 a rank holds one stage.
+
+What torch's runtime does not do, and this module adds:
+- Static shapes. Left to itself, ``PipelineStage`` infers activation shapes on the first step by
+  running a forward and backward on uninitialized tensors, which leaves their gradients in the
+  parameters and bumps a ``DeferredBatchNorm``'s sample count. Instead, whenever the schedule,
+  m or the micro-batch shape changes, the ranks pass one real micro-batch through the stages in
+  eval mode without autograd (``_probe``; no statistics change) and build the stages with those
+  shapes, so torch's runtime never infers.
+- Our loss: the last stage's loss for a micro-batch is ``sum of cross-entropy * loss_scale`` with
+  ``loss_scale = 1 / batch size`` and torch's ``scale_grads`` off, so accumulated gradients equal one
+  backward of the batch mean and the returned losses sum to it.
+- Clipping by the global norm over all ranks (one all-reduce), deferred BatchNorm commits, and the
+  optimizer step, in the same call as the schedule.
+- ``predict``: an eval forward over micro-batches of any size (the last validation batch is
+  smaller), chained stage to stage with a shape header before each tensor.
 
 Invariants:
-- Ops run in submission order (one Ray actor, one thread of execution); each forward of
-  micro-batch j is followed, in the same step, by exactly one backward of j.
-- The last stage's loss for micro-batch j is ``sum of cross-entropy over j * loss_scale`` with
-  ``loss_scale = 1 / batch size``: accumulating these gradients equals one backward of the batch
-  mean loss, and the returned values sum to the batch mean loss.
-- ``step`` refuses to update when an op of the same step failed, so a half-computed gradient is
-  never applied; it returns the stage's busy seconds since the previous step.
-- State dicts use the original model's keys (see ``blocks.StageModule``); tensors leave the stage
+- A step either completes on every rank or raises; gradients of a failed step are dropped, never
+  applied. Torch's runtime needs equal micro-batches (it sizes its receive buffers once per
+  schedule); the driver checks that the batch divides.
+- Every receive times out after ``p2p_timeout_s`` (the process group's timeout), so a rank whose
+  peer died or hangs raises instead of waiting forever.
+- State dicts use the original model's keys (see ``blocks.StageModule``); tensors leave the rank
   on the CPU.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import wraps
-from typing import Any, TypeVar
+from datetime import timedelta
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 
 from raytrain_mp.errors import UsageError
 from raytrain_mp.optim import OPTIMIZERS, build_optimizer
@@ -38,14 +62,24 @@ from raytrain_mp.pipeline.blocks import Block
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
 from raytrain_mp.pipeline.partition import profile_blocks
 
+TORCH_SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "interleaved-zb": ScheduleInterleavedZeroBubble,
+}
+# The dtypes an activation may have (bf16 under autocast), by their code in a shape header.
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_HEADER = 10  # ndim, dtype code, up to 8 dimensions
 
 
 @dataclass(frozen=True)
 class StageConfig:
-    """Everything a stage needs besides its modules."""
+    """Everything a rank needs besides its modules."""
 
-    index: int
-    num_stages: int
+    rank: int
+    num_ranks: int
+    virtual_stages: int = 1
     optimizer: str = "sgd"
     lr: float = 0.1
     momentum: float = 0.9
@@ -54,17 +88,16 @@ class StageConfig:
     num_cpus: int = 1
     deferred_bn: bool = False
     autocast_bf16: bool = False
-    # True when a device-to-device transport (Ray RDT) carries tensors between stages; otherwise
-    # activations and gradients go through host memory and the object store.
-    keep_on_device: bool = False
+    p2p_timeout_s: float = 300.0
 
     @property
-    def is_first(self) -> bool:
-        return self.index == 0
+    def num_stages(self) -> int:
+        """Stages of the whole pipeline (ranks x virtual stages)."""
+        return self.num_ranks * self.virtual_stages
 
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
+    def stage_index(self, local: int) -> int:
+        """The pipeline index of this rank's ``local``-th stage."""
+        return local * self.num_ranks + self.rank
 
 
 def check_optimizer(name: str, lr: float, momentum: float, weight_decay: float) -> None:
@@ -82,7 +115,7 @@ def configure_device(use_gpu: bool, num_cpus: int) -> torch.device:
     """The device of this process: its one visible GPU, or the CPU with ``num_cpus`` threads."""
     torch.set_num_threads(max(1, int(num_cpus)))
     if use_gpu:
-        torch.cuda.set_device(0)  # Ray made the stage's GPU the only visible one
+        torch.cuda.set_device(0)  # Ray made the rank's GPU the only visible one
         return torch.device("cuda", 0)
     return torch.device("cpu")
 
@@ -90,152 +123,254 @@ def configure_device(use_gpu: bool, num_cpus: int) -> torch.device:
 def profile_on_stage_device(
     model: nn.Module, blocks: list[Block], sample: Tensor, use_gpu: bool, num_cpus: int, autocast_bf16: bool
 ) -> list[float]:
-    """``partition.profile_blocks`` on a stage's device; the body of the trainer's profiling task."""
+    """``partition.profile_blocks`` on a rank's device; the body of the trainer's profiling task."""
     device = configure_device(use_gpu, num_cpus)
     return profile_blocks(model, blocks, sample, device, autocast_bf16=autocast_bf16)
 
 
-R = TypeVar("R")
+class _Autocast(nn.Module):
+    """Runs the wrapped stage under bf16 autocast (the stage sees the module through this)."""
+
+    def __init__(self, module: nn.Module, device_type: str) -> None:
+        super().__init__()
+        self.module, self.device_type = module, device_type
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            return self.module(x)
 
 
-def _marks_failure(method: Callable[..., R]) -> Callable[..., R]:
-    """Remember that an op failed, so that this step's ``step`` refuses to apply gradients."""
+class _TimedStage(PipelineStage):
+    """``PipelineStage`` that adds the seconds its forwards and backwards compute to ``busy``."""
 
-    @wraps(method)
-    def guarded(self: StageWorker, *args: Any, **kwargs: Any) -> R:
-        try:
-            return method(self, *args, **kwargs)
-        except BaseException:
-            self._failed = True
-            raise
+    busy = 0.0
 
-    return guarded
+    def _timed(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = run(*args, **kwargs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # count the kernels, not only their launch
+        self.busy += time.perf_counter() - start
+        return result
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
 
 
 class StageWorker:
-    """The state and ops of one stage (wrap with ``ray.remote`` to make it an actor)."""
+    """The state and steps of one rank (wrap with ``ray.remote`` to make it an actor)."""
 
-    def __init__(self, module: nn.Module, config: StageConfig) -> None:
+    def __init__(self, modules: Sequence[nn.Module], config: StageConfig) -> None:
         self.config = config
         self.device = configure_device(config.use_gpu, config.num_cpus)
         if config.deferred_bn:
-            module = convert_deferred_batchnorm(module)
-        self.module = module.to(self.device).train()
-        self.dtype = next(self.module.parameters()).dtype
+            modules = [convert_deferred_batchnorm(module) for module in modules]
+        self.modules = [module.to(self.device).train() for module in modules]
+        self.dtype = next(p for module in self.modules for p in module.parameters()).dtype
         check_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay)
         self.optimizer = build_optimizer(
-            self.module.parameters(), config.optimizer, config.lr, config.momentum, config.weight_decay
-        )
-        # micro-batch index -> (input leaf or None on the first stage, output or loss to backward from)
-        self._saved: dict[int, tuple[Tensor | None, Tensor]] = {}
+            [p for module in self.modules for p in module.parameters()],
+            config.optimizer, config.lr, config.momentum, config.weight_decay,
+        )  # fmt: skip
+        self.holds_first = config.rank == 0
+        self.holds_last = config.rank == config.num_ranks - 1
+        self._store: dist.TCPStore | None = None
+        self._schedule: Any = None
+        self._schedule_key: tuple | None = None
+        self._loss_scale = 1.0
         self._busy = 0.0
-        self._failed = False
+
+    # -- process group ---------------------------------------------------------------------------
 
     def ready(self) -> str:
-        """The stage's device, once construction has finished."""
+        """The rank's device, once construction has finished."""
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
 
-    @contextmanager
-    def _timed(self) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # count the kernels, not only their launch
-        self._busy += time.perf_counter() - start
+    def host_store(self) -> tuple[str, int]:
+        """(Rank 0) start the process group's key-value store on a free port of this node; its address."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(
+            host, 0, self.config.num_ranks, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=self.config.p2p_timeout_s),
+        )  # fmt: skip
+        return host, self._store.port
+
+    def join_group(self, host: str, port: int) -> None:
+        """Join the ranks' process group through rank 0's store (every rank at once)."""
+        timeout = timedelta(seconds=self.config.p2p_timeout_s)
+        store = self._store or dist.TCPStore(host, port, self.config.num_ranks, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            "nccl" if self.device.type == "cuda" else "gloo",
+            store=store, rank=self.config.rank, world_size=self.config.num_ranks, timeout=timeout,
+            **({"device_id": self.device} if self.device.type == "cuda" else {}),
+        )  # fmt: skip
+
+    # -- point to point ----------------------------------------------------------------------------
+
+    def _previous_rank(self, local: int) -> int:
+        return (self.config.stage_index(local) - 1) % self.config.num_ranks
+
+    def _next_rank(self, local: int) -> int:
+        return (self.config.stage_index(local) + 1) % self.config.num_ranks
+
+    def _send(self, x: Tensor, rank: int) -> None:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
+        header[2 : 2 + x.dim()] = torch.tensor(x.shape)
+        dist.send(header.to(self.device), rank)
+        dist.send(x.contiguous(), rank)
+
+    def _recv(self, rank: int) -> Tensor:
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(header, rank)
+        ndim, code, *shape = header.tolist()
+        x = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
+        dist.recv(x, rank)
+        return x
+
+    @torch.no_grad()
+    def _forward_chain(self, chunks: Sequence[Tensor] | int, record: bool = False) -> list[Tensor]:
+        """Eval forward of each chunk through this rank's stages, receiving from and sending to the
+        neighbouring ranks; the last rank returns the outputs. ``chunks``: the inputs on rank 0, their
+        number elsewhere. With ``record``, the first chunk's input and output of each local stage
+        are kept as ``self._shapes`` (the stages' static shapes)."""
+        last_stage = self.config.num_stages - 1
+        count = chunks if isinstance(chunks, int) else len(chunks)
+        outputs, shapes = [], []
+        for module in self.modules:
+            module.eval()
+        try:
+            for c in range(count):
+                for local, module in enumerate(self.modules):
+                    index = self.config.stage_index(local)
+                    x = self._first_input(chunks[c]) if index == 0 else self._recv(self._previous_rank(local))
+                    with self._autocast():
+                        y = module(x)
+                    if record and c == 0:
+                        shapes.append((x, y))
+                    if index == last_stage:
+                        outputs.append(y.to(self.dtype).cpu())
+                    else:
+                        self._send(y, self._next_rank(local))
+        finally:
+            for module in self.modules:
+                module.train()
+        if record:
+            self._shapes = shapes
+        return outputs
+
+    def _first_input(self, x: Tensor) -> Tensor:
+        # Only the data needs casting: later stages receive what the previous stage computed (bf16
+        # under autocast), and casting it would change the computation.
+        return x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
 
     def _autocast(self) -> Any:
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.autocast_bf16 else nullcontext()
 
-    def _place(self, x: Tensor) -> Tensor:
-        if self.config.is_first and x.is_floating_point():
-            # Only the data needs casting: later stages receive what the previous stage computed
-            # (bf16 under autocast), and casting it would change the computation.
-            return x.to(self.device, self.dtype)
-        return x.to(self.device)
+    # -- training ----------------------------------------------------------------------------------
 
-    def _send(self, x: Tensor) -> Tensor:
-        return x.detach() if self.config.keep_on_device else x.detach().cpu()
+    def _loss(self, output: Tensor, targets: Tensor) -> Tensor:
+        # Under bf16 autocast the logits are bf16; the loss is taken in the model's dtype.
+        return F.cross_entropy(output.to(self.dtype), targets, reduction="sum") * self._loss_scale
 
-    @_marks_failure
-    def forward(self, index: int, x: Tensor, targets: Tensor | None = None, loss_scale: float = 1.0) -> Tensor | float:
-        """Forward of micro-batch ``index``: the activation for the next stage, or (last stage) the
-        micro-batch's weighted loss."""
-        with self._timed():
-            inp = self._place(x)
-            if not self.config.is_first:
-                inp.requires_grad_()  # its gradient is what the previous stage backwards from
-            with self._autocast():
-                out = self.module(inp)
-            leaf = None if self.config.is_first else inp
-            if self.config.is_last:
-                # Under bf16 autocast the logits are bf16; the loss is taken in the model's dtype.
-                loss = F.cross_entropy(out.to(self.dtype), targets.to(self.device), reduction="sum") * loss_scale
-                self._saved[index] = (leaf, loss)
-                return loss.item()
-            self._saved[index] = (leaf, out)
-            return self._send(out)
+    def _build_schedule(self, name: str, num_microbatches: int, probe: Tensor | None) -> Any:
+        """Torch's schedule over this rank's stages, with static shapes from one probe micro-batch."""
+        self._forward_chain([probe] if self.holds_first else 1, record=True)
+        stages = []
+        for local, (module, (x, y)) in enumerate(zip(self.modules, self._shapes)):
+            wrapped = _Autocast(module, self.device.type) if self.config.autocast_bf16 else module
+            index = self.config.stage_index(local)
+            # The metadata says which tensors carry gradients: every stage's input but the data's.
+            stages.append(
+                _TimedStage(
+                    wrapped, index, self.config.num_stages, self.device,
+                    input_args=torch.empty_like(x).requires_grad_(index > 0), output_args=torch.empty_like(y).requires_grad_(),
+                )  # fmt: skip
+            )
+        schedule_class = TORCH_SCHEDULES[name]
+        first = stages if name.startswith("interleaved") else stages[0]
+        self._stages = stages
+        return schedule_class(first, num_microbatches, loss_fn=self._loss, scale_grads=False)
 
-    @_marks_failure
-    def backward(self, index: int, grad: Tensor | None = None) -> Tensor | None:
-        """Backward of micro-batch ``index`` from the next stage's input gradient (none on the last
-        stage); returns the gradient of this stage's input (none on the first stage)."""
-        with self._timed():
-            inp, out = self._saved.pop(index)
-            out.backward(None if grad is None else grad.to(self.device))
-            return None if inp is None else self._send(inp.grad)
-
-    @_marks_failure
-    def grad_norm_sq(self) -> float:
-        """Squared L2 norm of this stage's gradients (summed over stages for global clipping)."""
-        with self._timed():
-            return float(sum(p.grad.double().square().sum() for p in self.module.parameters() if p.grad is not None))
-
-    def step(self, max_norm: float | None = None, *grad_norm_sqs: float) -> float:
-        """Apply the accumulated gradients; with ``max_norm``, first scale them as
-        ``clip_grad_norm_`` would over all stages, whose squared norms are ``grad_norm_sqs``.
-        Returns the seconds this stage computed since the previous step."""
-        failed, self._failed = self._failed, False
-        pending = sorted(self._saved)
-        self._saved.clear()
-        if failed or pending:
-            self.optimizer.zero_grad(set_to_none=True)
-            reason = "an op of this step failed" if failed else f"micro-batches {pending} never ran backward"
-            raise RuntimeError(f"stage {self.config.index} did not step: {reason}")
-        with self._timed():
-            if max_norm is not None:
-                total = sum(grad_norm_sqs) ** 0.5
-                scale = max_norm / (total + 1e-6)  # the same epsilon as torch.nn.utils.clip_grad_norm_
-                if scale < 1:
-                    for p in self.module.parameters():
-                        if p.grad is not None:
-                            p.grad.mul_(scale)
-            if self.config.deferred_bn:
-                commit_deferred_batchnorm(self.module)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        busy, self._busy = self._busy, 0.0
-        return busy
-
-    @torch.no_grad()
-    def infer(self, x: Tensor) -> Tensor:
-        """Eval-mode forward (running BatchNorm statistics, no autograd state kept)."""
-        self.module.eval()
+    def train_step(
+        self,
+        schedule: str,
+        num_microbatches: int,
+        microbatch_shape: tuple[int, ...],
+        inputs: Tensor | None,
+        targets: Tensor | None,
+        max_norm: float | None = None,
+    ) -> tuple[float | None, float]:
+        """One optimizer step: the schedule's forwards and backwards over the batch, clipping, the
+        update. Rank 0 gets ``inputs``, the last rank ``targets`` (None elsewhere). Returns (the batch
+        mean loss on the last rank, else None; the seconds this rank computed)."""
+        key = (schedule, num_microbatches, tuple(microbatch_shape))
+        if key != self._schedule_key:
+            probe = inputs[: microbatch_shape[0]] if self.holds_first else None
+            self._schedule, self._schedule_key = self._build_schedule(schedule, num_microbatches, probe), key
+        batch = targets if self.holds_last else None
+        if batch is not None:
+            self._loss_scale = 1.0 / len(batch)
+        losses: list[Tensor] = []
         try:
-            with self._autocast():
-                out = self.module(self._place(x))
+            args = (self._first_input(inputs),) if self.holds_first else ()
+            extra = {"target": targets.to(self.device), "losses": losses} if self.holds_last else {}
+            self._schedule.step(*args, return_outputs=False, **extra)
+            start = time.perf_counter()
+            if max_norm is not None:
+                self._clip(max_norm)
+            if self.config.deferred_bn:
+                for module in self.modules:
+                    commit_deferred_batchnorm(module)
+            self.optimizer.step()
         finally:
-            self.module.train()
-        return out.cpu() if self.config.is_last else self._send(out)
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        busy = sum(stage.busy for stage in self._stages) + time.perf_counter() - start
+        for stage in self._stages:
+            stage.busy = 0.0
+        return (float(sum(loss.item() for loss in losses)) if self.holds_last else None), busy
+
+    def _clip(self, max_norm: float) -> None:
+        """Scale the gradients as ``clip_grad_norm_`` would over the parameters of every rank."""
+        grads = [p.grad for module in self.modules for p in module.parameters() if p.grad is not None]
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for grad in grads:
+            total += grad.double().square().sum()
+        dist.all_reduce(total)
+        scale = max_norm / (total.sqrt().item() + 1e-6)  # the same epsilon as torch.nn.utils.clip_grad_norm_
+        if scale < 1:
+            for grad in grads:
+                grad.mul_(scale)
+
+    def infer(self, inputs: Tensor | None, num_chunks: int) -> Tensor | None:
+        """Eval-mode outputs (logits) of the batch in ``num_chunks`` micro-batches: on the last rank;
+        None elsewhere. Rank 0 gets ``inputs``."""
+        chunks = inputs.tensor_split(num_chunks) if self.holds_first else num_chunks
+        outputs = self._forward_chain(chunks)
+        return torch.cat(outputs) if self.holds_last else None
+
+    # -- state ---------------------------------------------------------------------------------------
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {key: value.detach().cpu() for key, value in self.module.state_dict().items()}
+        return {key: value.detach().cpu() for module in self.modules for key, value in module.state_dict().items()}
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
-        self.module.load_state_dict(state, strict=True)
+        for module in self.modules:
+            module.load_state_dict({key: state[key] for key in module.state_dict()}, strict=True)
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         return _to_cpu(self.optimizer.state_dict())

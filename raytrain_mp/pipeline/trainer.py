@@ -1,19 +1,21 @@
 """Pipelined model-parallel training over Ray stage actors: the driver side.
 
 Job: validate the options, cut the model into stages (``blocks`` + ``partition``), start one
-``StageWorker`` actor per stage in a placement group, and run each step's schedule over them by
-submitting every op in clock-tick order without waiting. Activations and gradients travel as
-ObjectRefs passed straight from one actor call to the next, so Ray chains them; each actor runs
-its calls in submission order, which is the schedule's per-stage order.
+``StageWorker`` actor per rank in a placement group, let the ranks form a torch.distributed process
+group, and make one call per rank per step: the inputs go to rank 0 and the targets to the last
+rank, once; the ranks run the schedule themselves and exchange activations and gradients point to
+point (``stage``). Ray owns placement, GPU pinning, lifecycle and failure handling.
 
 Invariants:
 - Every bad input raises ``UsageError`` before a placement group or actor exists.
 - A step equals gradient accumulation over the same micro-batches in one process (each
   micro-batch's loss weighted by its share of the batch), followed by the same optimizer step.
-- A stage that dies or raises surfaces as ``StageFailedError`` naming the stage and the step. The
-  stage whose call failed first in submission order is the origin: every call that depends on
-  another is submitted after it. After such an error the stages' state is undefined; rebuild the
-  trainer (from a checkpoint) to go on.
+  Torch's runtime needs equal micro-batches, so a batch that m does not divide is refused.
+- A rank that dies or raises surfaces as ``StageFailedError`` naming it and the step. When several
+  fail, the origin is the one whose actor died, else the one that failed for its own reason rather
+  than because a peer stopped answering (a receive times out after ``p2p_timeout_s``). The other
+  ranks may be waiting on the failed one, so the trainer stops every rank; rebuild it (from a
+  checkpoint) to go on.
 - ``state_dict()`` is the full model's state dict (original keys, CPU tensors) and loads with
   ``strict=True`` into the model the trainer was built from.
 """
@@ -23,11 +25,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
-from functools import cache
 from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -36,7 +38,7 @@ from torch import Tensor, nn
 from raytrain_mp.cluster import reachable
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
-from raytrain_mp.pipeline.microbatch import check_microbatches, split_batch
+from raytrain_mp.pipeline.microbatch import check_microbatches
 from raytrain_mp.pipeline.partition import (
     BALANCE_MODES,
     StagePlan,
@@ -45,14 +47,14 @@ from raytrain_mp.pipeline.partition import (
     plan_stages,
     split_bounds,
 )
-from raytrain_mp.pipeline.schedule import FORWARD, build_schedule, clock_ticks
+from raytrain_mp.pipeline.schedule import check_schedule
 from raytrain_mp.pipeline.stage import StageConfig, StageWorker, check_optimizer, profile_on_stage_device
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-# object_store: through host memory (always works). nccl (GPU stages) and gloo (CPU stages): Ray's
-# direct transport (RDT), tensors go from one stage to the next without the object store.
-TRANSPORTS = ("object_store", "nccl", "gloo")
 _PLACEMENT_TIMEOUT_S = 120.0
+# After a rank fails, how long to wait for its peers' errors before naming the origin: a killed
+# actor's peer often reports the broken connection before Ray reports the death.
+_FAILURE_GRACE_S = 5.0
 
 
 class StageFailedError(RuntimeError):
@@ -77,9 +79,19 @@ def _summary(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else repr(error)}"
 
 
+def _blame_order(error: RayError) -> int:
+    """Which failure to name first: a dead actor, then an error of the rank's own, then a rank
+    that only lost its peer (a torch.distributed error: closed connection, receive timeout)."""
+    if isinstance(error, RayActorError):
+        return 0
+    if isinstance(error, RayTaskError) and isinstance(error.cause, dist.DistError):
+        return 2
+    return 1
+
+
 def _error_of(ref: ray.ObjectRef) -> RayError | None:
-    # Reading every result of a failed step, not only the first error, also keeps Ray from
-    # logging each unread error object with its traceback when it is freed.
+    # Reading every finished result of a failed step, not only the first error, also keeps Ray
+    # from logging each unread error object with its traceback when it is freed.
     try:
         ray.get(ref)
     except RayError as error:
@@ -122,7 +134,7 @@ def check_resources(
 
 def _check_options(
     model: nn.Module, optimizer: str, lr: float, momentum: float, weight_decay: float,
-    clip_grad_norm: float | None, cpus_per_stage: int, transport: str,
+    clip_grad_norm: float | None, cpus_per_stage: int, p2p_timeout_s: float,
 ) -> None:
     first = next(model.parameters(), None)
     if first is None:
@@ -135,8 +147,8 @@ def _check_options(
         raise UsageError(f"clip_grad_norm: must be > 0, got {clip_grad_norm}")
     if cpus_per_stage < 1 or int(cpus_per_stage) != cpus_per_stage:
         raise UsageError(f"cpus_per_stage: must be a whole number >= 1, got {cpus_per_stage}")
-    if transport not in TRANSPORTS:
-        raise UsageError(f"transport: unknown transport {transport!r}; accepted: {', '.join(TRANSPORTS)}")
+    if not p2p_timeout_s > 0:
+        raise UsageError(f"p2p_timeout_s: must be > 0 seconds, got {p2p_timeout_s}")
 
 
 def _balance_mode(
@@ -157,28 +169,21 @@ def _balance_mode(
     return balance
 
 
-@cache
-def _stage_actor_class(device_transport: bool) -> Any:
-    # Ray runs the tasks of an RDT-enabled actor on a background thread and wants the option at
-    # class definition, so each transport gets its own actor class.
-    if device_transport:
-        return ray.remote(enable_tensor_transport=True)(StageWorker)
-    return ray.remote(StageWorker)
-
-
 class PipelineTrainer:
-    """Train ``model`` cut into ``num_stages`` stages, one Ray actor each, with a pipeline schedule.
+    """Train ``model`` cut into stages over ``num_stages`` Ray actors (ranks) with a pipeline schedule.
 
-    Partition: ``split_points`` (block names to cut before, e.g. ``["layer3"]``), or ``balance``
-    ``"params"`` (equal parameter counts) or ``"time"`` (equal forward+backward seconds, profiled
-    on one stage's device with the first micro-batch of ``sample_input``). Neither means
-    ``"params"``. ``use_gpu=None`` uses GPUs when the Ray cluster has any. ``transport="nccl"``
-    (GPU stages) or ``"gloo"`` (CPU stages) sends activations and gradients straight from stage to
-    stage with Ray's direct transport (RDT); ``"object_store"`` goes through host memory.
+    ``virtual_stages`` V > 1 (interleaved schedules) cuts the model into ``num_stages * V`` parts
+    and rank r holds parts r, r + num_stages, ...; ``split_points`` then names ``num_stages * V - 1``
+    cuts. Partition: ``split_points`` (block names to cut before, e.g. ``["layer3"]``), or
+    ``balance`` ``"params"`` (equal parameter counts) or ``"time"`` (equal forward+backward seconds,
+    profiled on one rank's device with the first micro-batch of ``sample_input``). Neither means
+    ``"params"``. ``use_gpu=None`` uses GPUs when the Ray cluster has any (one per rank, NCCL between
+    them; gloo between CPU ranks). A receive that waits longer than ``p2p_timeout_s`` fails the step.
 
-    The model itself is left untouched: every stage works on a copy. When Ray is not initialized
+    The model itself is left untouched: every rank works on a copy. When Ray is not initialized
     yet, joins ``RAY_ADDRESS`` if set (one error line if nothing answers there) and otherwise
-    starts a new local Ray instance, whatever a stale ``ray start`` left behind. Stage indices count from 0, steps from 1.
+    starts a new local Ray instance, whatever a stale ``ray start`` left behind. Stage indices count
+    from 0, steps from 1.
     """
 
     def __init__(
@@ -200,20 +205,24 @@ class PipelineTrainer:
         placement_strategy: str = "STRICT_PACK",
         cpus_per_stage: int = 1,
         sample_input: Tensor | None = None,
-        transport: str = "object_store",
+        virtual_stages: int = 1,
+        p2p_timeout_s: float = 300.0,
     ) -> None:
         # Everything that can be checked without a cluster, first.
         blocks = flatten_model(model)
         names = [block.name for block in blocks]
-        check_stage_count(len(blocks), num_stages)
-        self.num_stages = num_stages
+        if virtual_stages < 1:
+            raise UsageError(f"virtual_stages: must be >= 1, got {virtual_stages}")
+        parts = num_stages * virtual_stages
+        check_stage_count(len(blocks), parts)
+        self.num_stages, self.virtual_stages = num_stages, virtual_stages
         self.set_schedule(schedule, num_microbatches)
-        _check_options(model, optimizer, lr, momentum, weight_decay, clip_grad_norm, cpus_per_stage, transport)
+        _check_options(model, optimizer, lr, momentum, weight_decay, clip_grad_norm, cpus_per_stage, p2p_timeout_s)
         balance = _balance_mode(split_points, balance, sample_input, num_microbatches)
         params = block_parameter_counts(model, blocks)
-        bounds = split_bounds(names, split_points, num_stages) if split_points is not None else None
+        bounds = split_bounds(names, split_points, parts) if split_points is not None else None
         if balance == "params":
-            bounds = balance_bounds(params, num_stages)
+            bounds = balance_bounds(params, parts)
 
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
@@ -221,46 +230,40 @@ class PipelineTrainer:
         nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
         if use_gpu is None:
             use_gpu = sum(node.get("GPU", 0) for node in nodes) > 0
-        if transport == "nccl" and not use_gpu:
-            raise UsageError("transport: 'nccl' moves tensors between GPUs; it needs use_gpu")
-        if transport == "gloo" and use_gpu:
-            raise UsageError("transport: 'gloo' moves CPU tensors; GPU stages use 'nccl' or 'object_store'")
         bundle = {"CPU": cpus_per_stage, **({"GPU": 1} if use_gpu else {})}
         check_resources(nodes, num_stages, bundle, placement_strategy)
 
         self.use_gpu = use_gpu
         self.clip_grad_norm = clip_grad_norm
         self.steps_done = 0  # train steps completed; the CLI sets it when resuming
-        self._transport = transport
-        self._rdt = transport != "object_store"
         self._actors: list[Any] = []
+        self._stopped = "shutdown(), which stopped its stage actors"
         self._pg = placement_group([dict(bundle) for _ in range(num_stages)], strategy=placement_strategy)
         try:
             self._wait_for_placement(bundle, placement_strategy)
             seconds = None
             if balance == "time":
-                sample = split_batch(sample_input, None, num_microbatches)[0].inputs
+                sample = sample_input[: -(-len(sample_input) // num_microbatches)]  # the first micro-batch
                 seconds = self._profile(model, blocks, sample, cpus_per_stage, autocast_bf16)
-                bounds = balance_bounds(seconds, num_stages)
+                bounds = balance_bounds(seconds, parts)
             self.plan: list[StagePlan] = plan_stages(names, bounds, params, seconds)
-            stage_modules = [StageModule(model, blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
-            self._stage_keys = [list(module.state_dict()) for module in stage_modules]
-            actor_class = _stage_actor_class(self._rdt)
-            for index, module in enumerate(stage_modules):
+            pieces = [StageModule(model, blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
+            held = [pieces[rank::num_stages] for rank in range(num_stages)]  # rank r: parts r, r + S, ...
+            self._stage_keys = [[key for piece in modules for key in piece.state_dict()] for modules in held]
+            actor_class = ray.remote(StageWorker)
+            for rank, modules in enumerate(held):
                 config = StageConfig(
-                    index=index, num_stages=num_stages, optimizer=optimizer, lr=lr, momentum=momentum,
-                    weight_decay=weight_decay, use_gpu=use_gpu, num_cpus=cpus_per_stage,
-                    deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, keep_on_device=self._rdt,
-                )
-                options = self._placement(index, cpus_per_stage)
-                self._actors.append(actor_class.options(**options).remote(module, config))
+                    rank=rank, num_ranks=num_stages, virtual_stages=virtual_stages, optimizer=optimizer, lr=lr,
+                    momentum=momentum, weight_decay=weight_decay, use_gpu=use_gpu, num_cpus=cpus_per_stage,
+                    deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, p2p_timeout_s=p2p_timeout_s,
+                )  # fmt: skip
+                options = self._placement(rank, cpus_per_stage)
+                self._actors.append(actor_class.options(**options).remote(modules, config))
             self.devices: list[str] = self._call_all("ready")
+            host, port = self._gather([(0, self.actor(0).host_store.remote())], step=None)[0]
+            self._call_all("join_group", host, port)
             bundle_nodes = ray.util.placement_group_table(self._pg)["bundles_to_node_id"]
-            self.nodes: list[str] = [bundle_nodes[index] for index in range(num_stages)]  # Ray node id per stage
-            if self._rdt:
-                from ray.experimental.collective import create_collective_group
-
-                create_collective_group(self._actors, backend=transport)
+            self.nodes: list[str] = [bundle_nodes[index] for index in range(num_stages)]  # Ray node id per rank
         except BaseException:
             self.shutdown()
             raise
@@ -286,8 +289,9 @@ class PipelineTrainer:
     def _profile(
         self, model: nn.Module, blocks: list[Block], sample: Tensor, cpus: int, autocast_bf16: bool
     ) -> list[float]:
-        # Profile where stage 0 will run, before its actor takes the bundle: the target device.
-        task = ray.remote(profile_on_stage_device).options(**self._placement(0, cpus))
+        # Profile where rank 0 will run, before its actor takes the bundle: the target device.
+        # max_calls=1: the task's worker exits afterwards, so it holds no CUDA context on the GPU.
+        task = ray.remote(max_calls=1)(profile_on_stage_device).options(**self._placement(0, cpus))
         return ray.get(task.remote(model, blocks, sample, self.use_gpu, cpus, autocast_bf16))
 
     def set_schedule(self, schedule: str | None = None, num_microbatches: int | None = None) -> None:
@@ -295,81 +299,69 @@ class PipelineTrainer:
         their parameters and optimizer state stay (a benchmark sweeps m without restarting)."""
         schedule = self.schedule if schedule is None else schedule
         num_microbatches = self.num_microbatches if num_microbatches is None else num_microbatches
-        self._ticks = clock_ticks(build_schedule(schedule, self.num_stages, num_microbatches))
+        check_schedule(schedule, self.num_stages, self.virtual_stages, num_microbatches)
         self.schedule, self.num_microbatches = schedule, num_microbatches
 
-    # -- running ops -----------------------------------------------------------------------------
-
-    def _call(self, stage: int, method: str, *args: Any, tensor_out: bool = False) -> ray.ObjectRef:
-        bound = getattr(self.actor(stage), method)
-        if tensor_out and self._rdt:
-            bound = bound.options(tensor_transport=self._transport)
-        return bound.remote(*args)
+    # -- calls -----------------------------------------------------------------------------------
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
-        refs = [(stage, self._call(stage, method, *args)) for stage in range(self.num_stages)]
-        return self._gather(refs, [ref for _, ref in refs], step=None)
+        refs = [(rank, getattr(self.actor(rank), method).remote(*args)) for rank in range(self.num_stages)]
+        return self._gather(refs, step=None)
 
-    def _gather(
-        self, submitted: list[tuple[int, ray.ObjectRef]], wanted: list[ray.ObjectRef], step: int | None
-    ) -> list[Any]:
-        """``ray.get(wanted)``, turning a failure into ``StageFailedError`` for its origin stage."""
-        try:
-            return ray.get(wanted)
-        except RayError:
-            failures = [(stage, error) for stage, ref in submitted if (error := _error_of(ref)) is not None]
-            if not failures:
-                raise
-            stage, origin = failures[0]
-            raise StageFailedError(stage, self.num_stages, step, origin) from origin
+    def _gather(self, submitted: list[tuple[int, ray.ObjectRef]], step: int | None) -> list[Any]:
+        """The results of ``submitted`` (rank, ref) pairs, in order. A failure stops every rank and
+        raises ``StageFailedError`` for its origin (see the module docstring)."""
+        refs = [ref for _, ref in submitted]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            if _error_of(done[0]) is None:
+                continue
+            if pending:  # the peers' errors, for telling the origin from ranks that lost their peer
+                ray.wait(pending, num_returns=len(pending), timeout=_FAILURE_GRACE_S)
+            finished, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            failures = [(rank, error) for rank, ref in submitted if ref in finished and (error := _error_of(ref))]
+            rank, origin = min(failures, key=lambda failure: _blame_order(failure[1]))
+            self.shutdown()
+            self._stopped = f"a failure of stage {rank}, after which it stopped every stage actor"
+            raise StageFailedError(rank, self.num_stages, step, origin) from origin
+        return ray.get(refs)
 
     def train_step(self, inputs: Tensor, targets: Tensor) -> float:
         """One optimizer step on the batch; returns the batch mean cross-entropy loss."""
-        microbatches = split_batch(inputs, targets, self.num_microbatches)
+        batch, m = len(inputs), self.num_microbatches
+        check_microbatches(m, batch)
+        if batch % m:
+            raise UsageError(
+                f"num_microbatches: {m} micro-batches do not divide a batch of {batch} samples; "
+                "torch's pipeline runtime needs micro-batches of equal size"
+            )
+        if len(targets) != batch:
+            raise UsageError(f"targets: {len(targets)} targets for {batch} inputs")
         step = self.steps_done + 1
         last = self.num_stages - 1
-        loss_scale = 1.0 / len(inputs)
+        shape = (batch // m, *inputs.shape[1:])
         start = time.perf_counter()
-        outputs: dict[tuple[int, int], ray.ObjectRef] = {}  # (stage, micro-batch) -> activation
-        grads: dict[tuple[int, int], ray.ObjectRef] = {}  # (stage, micro-batch) -> input gradient
-        submitted: list[tuple[int, ray.ObjectRef]] = []
-        losses = []
-        for tick in self._ticks:
-            for stage, (kind, j) in tick:
-                if kind == FORWARD:
-                    x = microbatches[j].inputs if stage == 0 else outputs[stage - 1, j]
-                    if stage == last:
-                        ref = self._call(stage, "forward", j, x, microbatches[j].targets, loss_scale)
-                        losses.append(ref)
-                    else:
-                        ref = outputs[stage, j] = self._call(stage, "forward", j, x, tensor_out=True)
-                else:
-                    grad = grads[stage + 1, j] if stage < last else None
-                    ref = grads[stage, j] = self._call(stage, "backward", j, grad, tensor_out=stage > 0)
-                submitted.append((stage, ref))
-        norms = []
-        if self.clip_grad_norm is not None:
-            norms = [self._call(stage, "grad_norm_sq") for stage in range(self.num_stages)]
-            submitted += list(enumerate(norms))
-        steps = [self._call(stage, "step", self.clip_grad_norm, *norms) for stage in range(self.num_stages)]
-        submitted += list(enumerate(steps))
-        values = self._gather(submitted, losses + steps, step)
-        self._record(time.perf_counter() - start, values[len(losses):])
+        refs = [
+            (rank, self.actor(rank).train_step.remote(
+                self.schedule, m, shape, inputs if rank == 0 else None, targets if rank == last else None,
+                self.clip_grad_norm,
+            ))
+            for rank in range(self.num_stages)
+        ]  # fmt: skip
+        results = self._gather(refs, step)
+        self._record(time.perf_counter() - start, [busy for _, busy in results])
         self.steps_done = step
-        return float(sum(values[: len(losses)]))
+        return results[last][0]
 
     def predict(self, inputs: Tensor) -> Tensor:
-        """Eval-mode outputs (logits) for ``inputs``, micro-batched through the stages."""
-        chunks = split_batch(inputs, None, min(self.num_microbatches, len(inputs)))
-        submitted, outputs = [], []
-        for chunk in chunks:
-            ref = chunk.inputs
-            for stage in range(self.num_stages):
-                ref = self._call(stage, "infer", ref, tensor_out=stage < self.num_stages - 1)
-                submitted.append((stage, ref))
-            outputs.append(ref)
-        return torch.cat(self._gather(submitted, outputs, step=None))
-
+        """Eval-mode outputs (logits) for ``inputs``, in micro-batches through the stages."""
+        chunks = min(self.num_microbatches, len(inputs))
+        refs = [
+            (rank, self.actor(rank).infer.remote(inputs if rank == 0 else None, chunks))
+            for rank in range(self.num_stages)
+        ]
+        return self._gather(refs, step=None)[-1]
     # -- statistics ------------------------------------------------------------------------------
 
     def _reset_stats(self) -> None:
@@ -420,8 +412,7 @@ class PipelineTrainer:
                 f"state dict does not fit the pipeline's model: missing {missing[:3]}, unexpected {unexpected[:3]}"
             )
         parts = [{key: state[key] for key in keys} for keys in self._stage_keys]
-        refs = [(stage, self._call(stage, "load_state_dict", part)) for stage, part in enumerate(parts)]
-        self._gather(refs, [ref for _, ref in refs], step=None)
+        self._gather([(rank, self.actor(rank).load_state_dict.remote(part)) for rank, part in enumerate(parts)], step=None)
 
     def optimizer_state_dicts(self) -> list[dict[str, Any]]:
         """Each stage's optimizer state (CPU tensors), in stage order."""
@@ -430,13 +421,13 @@ class PipelineTrainer:
     def load_optimizer_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
         if len(states) != self.num_stages:
             raise UsageError(f"optimizer state: {len(states)} stage states for {self.num_stages} stages")
-        refs = [(stage, self._call(stage, "load_optimizer_state_dict", state)) for stage, state in enumerate(states)]
-        self._gather(refs, [ref for _, ref in refs], step=None)
+        refs = [(rank, self.actor(rank).load_optimizer_state_dict.remote(state)) for rank, state in enumerate(states)]
+        self._gather(refs, step=None)
 
     def actor(self, stage: int) -> Any:
         """The Ray actor handle of ``stage`` (for inspection and fault injection)."""
         if not self._actors:
-            raise RuntimeError("PipelineTrainer: used after shutdown(), which stopped its stage actors; build a new PipelineTrainer")
+            raise RuntimeError(f"PipelineTrainer: used after {self._stopped}; build a new PipelineTrainer")
         return self._actors[stage]
 
     def shutdown(self) -> None:
