@@ -52,7 +52,7 @@ FIELD_GROUPS = {
                      "gamma", "optimizer", "momentum", "weight_decay", "global_batch_size", "batch_size_per_worker",
                      "grad_accum_steps", "clip_grad_norm", "lr", "seed"), "optimization"),
     **dict.fromkeys(("address", "num_workers", "use_gpu", "cpus_per_worker", "placement", "stages", "split_points",
-                     "balance", "schedule", "microbatches", "cpus_per_stage", "bucket_cap_mb", "threads",
+                     "balance", "schedule", "virtual_stages", "microbatches", "cpus_per_stage", "bucket_cap_mb", "threads",
                      "balanced", "balance_microbatches"), "distribution"),
     **dict.fromkeys(("storage_path", "name", "checkpoint_every", "num_to_keep", "max_failures", "resume_from",
                      "resume"), "checkpoints"),

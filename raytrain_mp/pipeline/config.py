@@ -7,9 +7,31 @@ Pure: no Ray, no writes; ``validate()`` runs before any stage actor starts.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from raytrain_mp.config import TrainOptions, check, check_choice, option
-from raytrain_mp.pipeline.schedule import SCHEDULES
+from raytrain_mp.errors import UsageError
+from raytrain_mp.pipeline.schedule import SCHEDULES, check_schedule
+
+
+# PipelineTrainer's errors name its Python arguments; on the command line they are these flags.
+FLAG_OF_ARGUMENT = {
+    "num_stages": "--stages",
+    "split_points": "--split-points",
+    "num_microbatches": "--microbatches",
+    "virtual_stages": "--virtual-stages",
+    "use_gpu": "--use-gpu",
+    "cpus_per_stage": "--cpus-per-stage",
+    "placement_strategy": "--placement",
+    "clip_grad_norm": "--clip-grad-norm",
+    "balance": "--balance",
+    "schedule": "--schedule",
+}
+
+
+def as_flag_error(exc: UsageError) -> UsageError:
+    """The same one-line error with the Python argument it starts with renamed to its flag."""
+    return UsageError(re.sub(r"^(\w+):", lambda m: FLAG_OF_ARGUMENT.get(m.group(1), m.group(1)) + ":", str(exc)))
 
 
 BALANCES = ("time", "params", "none")
@@ -22,8 +44,9 @@ class PipelineConfig(TrainOptions):
     stages: int = option(2, "pipeline stages, one Ray actor each")
     split_points: list | None = option(None, "cut before these modules, e.g. layer3 (the seeds' split); overrides --balance")
     balance: str = option("time", "cut stages by measured time, parameter count, or none (= params)", BALANCES)
-    schedule: str = option("gpipe", "pipeline schedule", SCHEDULES)
-    microbatches: int = option(4, "micro-batches per batch (m)")
+    schedule: str = option("gpipe", "pipeline schedule (torch.distributed.pipelining's)", SCHEDULES)
+    virtual_stages: int = option(1, "stages per Ray actor for the interleaved schedules: the model is cut into --stages x this")
+    microbatches: int = option(4, "micro-batches per batch (m); must divide --global-batch-size")
     global_batch_size: int = option(64, "samples per optimizer step (all micro-batches)", aliases=("batch_size",))
     use_gpu: bool | None = option(None, "one GPU per stage (default: when the cluster has GPUs)")
     cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
@@ -43,15 +66,23 @@ class PipelineConfig(TrainOptions):
             f"must be between 1 and --global-batch-size {self.global_batch_size}, got {self.microbatches}",
         )
         check(
-            self.schedule != "1f1b" or self.microbatches >= self.stages,
+            self.global_batch_size % self.microbatches == 0,
             "microbatches",
-            f"1F1B needs at least one micro-batch per stage: --microbatches >= --stages {self.stages}, got {self.microbatches}",
+            f"must divide --global-batch-size {self.global_batch_size} into equal micro-batches "
+            f"(torch's pipeline runtime needs them equal), got {self.microbatches}",
         )
+        check(self.virtual_stages >= 1, "virtual_stages", f"must be >= 1, got {self.virtual_stages}")
+        try:
+            check_schedule(self.schedule, self.stages, self.virtual_stages, self.microbatches)
+        except UsageError as exc:
+            raise as_flag_error(exc) from None
         check(self.cpus_per_stage >= 1, "cpus_per_stage", f"must be >= 1, got {self.cpus_per_stage}")
         check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", f"must be > 0, got {self.clip_grad_norm}")
         if self.split_points is not None:
+            parts = self.stages * self.virtual_stages
             check(
-                len(self.split_points) == self.stages - 1,
+                len(self.split_points) == parts - 1,
                 "split_points",
-                f"{len(self.split_points)} split point(s) make {len(self.split_points) + 1} stages, not --stages {self.stages}",
+                f"{len(self.split_points)} split point(s) make {len(self.split_points) + 1} stages, not {parts} "
+                f"(--stages {self.stages} x --virtual-stages {self.virtual_stages})",
             )

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from torch.utils.data import DataLoader
 
 from raytrain_mp.checkpointing import MODEL_FILE, load_checkpoint, load_train_state, rng_states, set_rng_states, write_checkpoint, write_result
 from raytrain_mp.config import absolute_path, to_yaml
-from raytrain_mp.pipeline.config import PipelineConfig
+from raytrain_mp.pipeline.config import PipelineConfig, as_flag_error
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
@@ -47,25 +46,6 @@ from raytrain_mp.pipeline.blocks import flatten_model
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
 
 CHECKPOINT_PREFIX = "checkpoint_"
-# PipelineTrainer's errors name its Python arguments; on the command line they are these flags.
-FLAG_OF_ARGUMENT = {
-    "num_stages": "--stages",
-    "split_points": "--split-points",
-    "num_microbatches": "--microbatches",
-    "use_gpu": "--use-gpu",
-    "cpus_per_stage": "--cpus-per-stage",
-    "placement_strategy": "--placement",
-    "clip_grad_norm": "--clip-grad-norm",
-    "balance": "--balance",
-    "schedule": "--schedule",
-}
-
-
-def as_flag_error(exc: UsageError) -> UsageError:
-    """The same one-line error with the Python argument it starts with renamed to its flag."""
-    return UsageError(re.sub(r"^(\w+):", lambda m: FLAG_OF_ARGUMENT.get(m.group(1), m.group(1)) + ":", str(exc)))
-
-
 def build_run_model(cfg: PipelineConfig, meta) -> nn.Module:
     small_stem = wants_small_stem(meta.image_size) if cfg.small_stem is None else cfg.small_stem
     dtype = torch.float64 if cfg.precision == "fp64" else torch.float32
@@ -78,9 +58,9 @@ def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
     data, meta = checked_dataset(cfg.data, cfg.global_batch_size, "--global-batch-size")
     names = [block.name for block in flatten_model(build_run_model(cfg, meta))]
     try:
-        check_stage_count(len(names), cfg.stages)
+        check_stage_count(len(names), cfg.stages * cfg.virtual_stages)
         if cfg.split_points:
-            split_bounds(names, cfg.split_points, cfg.stages)
+            split_bounds(names, cfg.split_points, cfg.stages * cfg.virtual_stages)
     except UsageError as exc:
         raise as_flag_error(exc) from None
     name = cfg.name or time.strftime("pipeline-%Y%m%d-%H%M%S")
@@ -109,14 +89,18 @@ def with_saved_split(cfg: PipelineConfig, names: list[str]) -> PipelineConfig:
     if saved is None:  # a checkpoint from before splits were recorded: balance again
         return cfg
     where = f"{resume.uri} was trained with {len(saved) + 1} stages cut before {','.join(saved) or '(nothing)'}"
-    same_cut = cfg.split_points is None or split_bounds(names, cfg.split_points, cfg.stages) == split_bounds(names, saved, len(saved) + 1)
+    parts = cfg.stages * cfg.virtual_stages
+    same_cut = cfg.split_points is None or split_bounds(names, cfg.split_points, parts) == split_bounds(names, saved, len(saved) + 1)
     if not same_cut:
         raise UsageError(
             f"--split-points: {where}, not {','.join(cfg.split_points)}; "
             f"accepted: --split-points {','.join(saved)} (or none), or a new --name to start over"
         )
-    if cfg.stages != len(saved) + 1:
-        raise UsageError(f"--stages: {where}, not {cfg.stages}; accepted: --stages {len(saved) + 1}, or a new --name to start over")
+    if parts != len(saved) + 1:
+        raise UsageError(
+            f"--stages: {where}, not {parts} (--stages {cfg.stages} x --virtual-stages {cfg.virtual_stages}); "
+            f"accepted: --stages and --virtual-stages whose product is {len(saved) + 1}, or a new --name to start over"
+        )
     return dataclasses.replace(cfg, split_points=saved)
 
 
@@ -235,6 +219,7 @@ def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch
         weight_decay=cfg.weight_decay, use_gpu=cfg.use_gpu, deferred_bn=cfg.deferred_bn,
         clip_grad_norm=cfg.clip_grad_norm, autocast_bf16=cfg.precision == "bf16",
         placement_strategy=cfg.placement, cpus_per_stage=cfg.cpus_per_stage, sample_input=sample,
+        virtual_stages=cfg.virtual_stages,
     )  # fmt: skip
 
 

@@ -11,9 +11,10 @@ Invariants:
 - A step equals gradient accumulation over the same micro-batches in one process (each
   micro-batch's loss weighted by its share of the batch), followed by the same optimizer step.
   Torch's runtime needs equal micro-batches, so a batch that m does not divide is refused.
-- A rank that dies or raises surfaces as ``StageFailedError`` naming it and the step. When several
-  fail, the origin is the one whose actor died, else the one that failed for its own reason rather
-  than because a peer stopped answering (a receive times out after ``p2p_timeout_s``). The other
+- A rank that dies, raises or hangs surfaces as ``StageFailedError`` naming it and the step. When
+  several fail, the origin is the one whose actor died, else the one that failed for its own
+  reason rather than because a peer stopped answering (a receive times out after
+  ``p2p_timeout_s``); when only the latter failed, the origin is a rank that never answered. The other
   ranks may be waiting on the failed one, so the trainer stops every rank; rebuild it (from a
   checkpoint) to go on.
 - ``state_dict()`` is the full model's state dict (original keys, CPU tensors) and loads with
@@ -81,10 +82,13 @@ def _summary(error: BaseException) -> str:
 
 def _blame_order(error: RayError) -> int:
     """Which failure to name first: a dead actor, then an error of the rank's own, then a rank
-    that only lost its peer (a torch.distributed error: closed connection, receive timeout)."""
+    that only lost its peer: a closed connection or a timeout, which NCCL raises as
+    ``DistError`` and gloo as a ``RuntimeError`` from its transport (the message names its source
+    file, ``gloo/transport/...``)."""
     if isinstance(error, RayActorError):
         return 0
-    if isinstance(error, RayTaskError) and isinstance(error.cause, dist.DistError):
+    cause = error.cause if isinstance(error, RayTaskError) else None
+    if isinstance(cause, dist.DistError) or (isinstance(cause, RuntimeError) and "gloo/transport" in str(cause)):
         return 2
     return 1
 
@@ -250,6 +254,7 @@ class PipelineTrainer:
             pieces = [StageModule(model, blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
             held = [pieces[rank::num_stages] for rank in range(num_stages)]  # rank r: parts r, r + S, ...
             self._stage_keys = [[key for piece in modules for key in piece.state_dict()] for modules in held]
+            self._model_keys = [key for piece in pieces for key in piece.state_dict()]  # the model's order
             actor_class = ray.remote(StageWorker)
             for rank, modules in enumerate(held):
                 config = StageConfig(
@@ -322,6 +327,10 @@ class PipelineTrainer:
             finished, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             failures = [(rank, error) for rank, ref in submitted if ref in finished and (error := _error_of(ref))]
             rank, origin = min(failures, key=lambda failure: _blame_order(failure[1]))
+            silent = [stage for stage, ref in submitted if ref not in finished]
+            if silent and _blame_order(origin) == 2:  # a peer waited in vain: name the rank that hangs
+                waited = f"stage {rank} gave up waiting for it: {_summary(origin)}"
+                rank, origin = silent[0], TimeoutError(f"it stopped answering; {waited}")
             self.shutdown()
             self._stopped = f"a failure of stage {rank}, after which it stopped every stage actor"
             raise StageFailedError(rank, self.num_stages, step, origin) from origin
@@ -401,11 +410,12 @@ class PipelineTrainer:
 
     def state_dict(self) -> dict[str, Tensor]:
         """The full model's state dict, on the CPU, with the original model's keys."""
-        return {key: value for part in self._call_all("state_dict") for key, value in part.items()}
+        merged = {key: value for part in self._call_all("state_dict") for key, value in part.items()}
+        return {key: merged[key] for key in self._model_keys}
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         """Load a full model state dict (``strict=True`` semantics) into the stages."""
-        expected = {key for keys in self._stage_keys for key in keys}
+        expected = set(self._model_keys)
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
             raise UsageError(

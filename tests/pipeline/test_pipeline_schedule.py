@@ -1,4 +1,5 @@
-"""Pipeline schedules, exhaustively: 1-8 stages x 1-16 micro-batches, GPipe and 1F1B."""
+"""Pipeline schedules, exhaustively: GPipe and 1F1B op orders over 1-8 stages x 1-16 micro-batches;
+the limits of every schedule against what torch's own schedule classes accept; ideal bubbles."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline import schedule as sched
 from raytrain_mp.pipeline.schedule import build_schedule, clock_ticks, format_ticks, gpipe, one_f_one_b
 
-CASES = [(name, s, m) for name in sched.SCHEDULES for s in range(1, 9) for m in range(1, 17)]
+CASES = [(name, s, m) for name in sched.FLAT_SCHEDULES for s in range(1, 9) for m in range(1, 17)]
 VALID = [case for case in CASES if case[0] == "gpipe" or case[2] >= case[1]]
 
 
@@ -36,8 +37,10 @@ def test_schedule_properties(name: str, num_stages: int, num_microbatches: int) 
             if s < num_stages - 1:
                 assert at[s, ("B", j)] > at[s + 1, ("B", j)]
             assert at[s, ("B", j)] > at[s, ("F", j)]
-    # neither schedule adds bubbles beyond fill and drain
+    # neither schedule adds bubbles beyond fill and drain: idle ticks are the ideal bubble
     assert len(ticks) == 2 * (num_microbatches + num_stages - 1)
+    idle = 1 - 2 * num_microbatches / len(ticks)
+    assert idle == pytest.approx(sched.ideal_bubble(name, num_stages, num_microbatches))
 
 
 @pytest.mark.parametrize(("num_stages", "num_microbatches"), [(s, m) for _, s, m in VALID if _ == "1f1b"])
@@ -71,7 +74,7 @@ def test_1f1b_needs_as_many_microbatches_as_stages(num_stages: int, num_microbat
         (("gpipe", 2, 0), "num_microbatches: need at least 1 micro-batch, got 0"),
         (("1f1b", 2, -1), "num_microbatches: need at least 1 micro-batch, got -1"),
         (("gpipe", 0, 4), "num_stages: need at least 1 stage, got 0"),
-        (("zero-bubble", 2, 4), "schedule: unknown schedule 'zero-bubble'; accepted: gpipe, 1f1b"),
+        (("interleaved-1f1b", 2, 4), "schedule: unknown schedule 'interleaved-1f1b'; accepted: gpipe, 1f1b"),
     ],
 )
 def test_bad_arguments(args: tuple, message: str) -> None:
@@ -85,7 +88,66 @@ def test_clock_ticks_detects_deadlock() -> None:
         clock_ticks([[("B", 0), ("F", 0)]])
 
 
-@pytest.mark.parametrize("name", sched.SCHEDULES)
+@pytest.mark.parametrize("name", sched.FLAT_SCHEDULES)
 def test_docstring_diagrams_are_what_the_code_does(name: str) -> None:
     table = format_ticks(clock_ticks(build_schedule(name, 3, 4)), 3)
     assert "\n".join("    " + row for row in table.splitlines()) in sched.__doc__
+
+
+LIMIT_CASES = [
+    (name, ranks, virtual, m)
+    for name in ("1f1b", "interleaved-1f1b", "interleaved-zb")
+    for ranks in range(2, 5)
+    for virtual in ((1,) if name == "1f1b" else (2, 3))
+    for m in range(1, 13)
+]
+
+
+@pytest.mark.parametrize(("name", "ranks", "virtual", "m"), LIMIT_CASES)
+def test_check_schedule_refuses_exactly_what_torch_refuses(name: str, ranks: int, virtual: int, m: int) -> None:
+    """Torch builds its op lists on mock stages (its schedule visualizer); what it refuses, we refuse
+    before any actor starts, and nothing else."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from raytrain_mp.pipeline.stage import TORCH_SCHEDULES
+
+    try:
+        get_schedule_ops(TORCH_SCHEDULES[name], ranks, m, virtual)
+        torch_accepts = True
+    except ValueError:
+        torch_accepts = False
+    try:
+        sched.check_schedule(name, ranks, virtual, m)
+        we_accept = True
+    except UsageError:
+        we_accept = False
+    assert we_accept == torch_accepts
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("pipedream", 2, 1, 4),
+         "schedule: unknown schedule 'pipedream'; accepted: gpipe, 1f1b, interleaved-1f1b, interleaved-zb"),
+        (("gpipe", 2, 2, 4),
+         "virtual_stages: the gpipe schedule runs one stage per rank, got 2; use interleaved-1f1b or interleaved-zb for several"),
+        (("interleaved-1f1b", 2, 1, 4), "virtual_stages: interleaved-1f1b needs at least 2 stages per rank, got 1"),
+        (("interleaved-zb", 2, 2, 5),
+         "num_microbatches: interleaved-zb over 2 ranks runs 2 equal rounds of micro-batches, so m must be a multiple of 2, got 5"),
+        (("1f1b", 3, 1, 2),
+         "num_microbatches: 1F1B over 3 stages needs at least 3 micro-batches, got 2; use more micro-batches or the gpipe schedule"),
+        (("gpipe", 2, 1, 0), "num_microbatches: need at least 1 micro-batch, got 0"),
+    ],
+)  # fmt: skip
+def test_check_schedule_messages(args: tuple, message: str) -> None:
+    with pytest.raises(UsageError) as info:
+        sched.check_schedule(*args)
+    assert str(info.value) == message
+
+
+def test_ideal_bubbles() -> None:
+    assert sched.ideal_bubble("gpipe", 2, 8) == pytest.approx(1 / 9)
+    assert sched.ideal_bubble("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert sched.ideal_bubble("interleaved-1f1b", 2, 8, 2) == pytest.approx(1 / 17)  # v times smaller, about
+    with pytest.raises(UsageError, match="no closed-form bubble for 'interleaved-zb'"):
+        sched.ideal_bubble("interleaved-zb", 2, 8, 2)

@@ -1,15 +1,18 @@
-"""PipelineTrainer on real Ray stage actors (CPU): equivalence with single-process gradient
-accumulation, deferred BatchNorm, state dicts, failures, and bad input.
+"""PipelineTrainer on real Ray stage actors over gloo (CPU): equivalence with single-process
+gradient accumulation for every schedule, deferred BatchNorm, state dicts, failures (a raising,
+a killed and a hanging rank), and bad input.
 
-Inputs are 12x12 so that layer4 still sees 2x2 maps: at 8x8 its BatchNorms normalize 2-3
-values per channel, and thread-count roundoff alone then moves float64 parameters by 1e-5.
-Trainers are created sparingly (start-up dominates on 2 cores): one per (dtype, stage count),
-reused across schedules and micro-batch counts through load_state_dict and set_schedule.
+ResNet-18 (standard stem) at 64x64, a batch of 20 so that m = 4 and m = 5 both cut it into equal
+micro-batches (torch's runtime needs them equal); layer4 then sees 2x2 maps of 4-5 samples.
+Trainers are created sparingly (start-up dominates on 2 cores): one per (dtype, ranks, virtual
+stages), reused across schedules and micro-batch counts through load_state_dict and set_schedule.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -28,21 +31,22 @@ from raytrain_mp.pipeline import trainer as trainer_module
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm
 from raytrain_mp.pipeline.trainer import check_resources
 
-BATCH = 12
-CASES = [(schedule, m) for schedule in ("gpipe", "1f1b") for m in (4, 5)]  # 5 does not divide 12
+BATCH, SIZE = 20, 64
+SCHEDULES_OF = {1: ("gpipe", "1f1b"), 2: ("interleaved-1f1b", "interleaved-zb")}  # by virtual stages
+CASES = [(schedule, m) for schedule in (*SCHEDULES_OF[1], *SCHEDULES_OF[2]) for m in (4, 5)]
 LRS = [0.05, 0.03, 0.02]  # set per step, as a learning-rate schedule would
 
 
 def _model(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
-    return build_model("resnet18", 10, in_channels=1, small_stem=True).to(dtype).train()
+    return build_model("resnet18", 10, in_channels=1, small_stem=False).to(dtype).train()
 
 
 def _batches(dtype: torch.dtype, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
     return [
         (
-            torch.randn(BATCH, 1, 12, 12, generator=generator, dtype=dtype),
+            torch.randn(BATCH, 1, SIZE, SIZE, generator=generator, dtype=dtype),
             torch.randint(0, 10, (BATCH,), generator=generator),
         )
         for _ in range(steps)
@@ -96,32 +100,41 @@ class Pipeline:
 
 
 class TestAgainstGradientAccumulation:
-    """One trainer per (dtype, stage count), class-scoped so that its CPUs are free afterwards."""
+    """One trainer per (dtype, ranks, virtual stages), class-scoped so that its CPUs are free afterwards."""
 
     @pytest.fixture(
         scope="class",
         params=[
-            (torch.float64, 2, "object_store"),
-            (torch.float64, 3, "object_store"),
-            (torch.float32, 2, "object_store"),
-            (torch.float32, 3, "gloo"),
+            (torch.float64, 2, 1),
+            (torch.float64, 3, 1),
+            (torch.float64, 2, 2),
+            (torch.float64, 3, 2),
+            (torch.float32, 2, 1),
+            (torch.float32, 3, 2),
         ],
-        ids=["f64-2stages", "f64-3stages", "f32-2stages", "f32-3stages-gloo"],
+        ids=["f64-2ranks", "f64-3ranks", "f64-2ranks-v2", "f64-3ranks-v2", "f32-2ranks", "f32-3ranks-v2"],
     )
     def pipeline(self, request: pytest.FixtureRequest, ray_session: object) -> Iterator[Pipeline]:
-        dtype, num_stages, transport = request.param
+        dtype, num_stages, virtual = request.param
         # float32 runs use split points by name (the seeds' split for 2 stages); float64 runs the
-        # default parameter balance. "gloo" runs Ray's direct transport path on CPUs.
-        split = {2: ["layer3"], 3: ["layer2", "layer4"]}[num_stages] if dtype == torch.float32 else None
+        # default parameter balance.
+        split = {(2, 1): ["layer3"], (3, 2): ["layer1.1", "layer2.0", "layer2.1", "layer3.1", "layer4.0"]}
         trainer = PipelineTrainer(
-            _model(dtype), num_stages, split_points=split, lr=LRS[0], momentum=0.9, weight_decay=0.0, transport=transport
-        )
+            _model(dtype), num_stages, split_points=split[num_stages, virtual] if dtype == torch.float32 else None,
+            schedule=SCHEDULES_OF[virtual][0], virtual_stages=virtual, lr=LRS[0], momentum=0.9, weight_decay=0.0,
+        )  # fmt: skip
         yield Pipeline(trainer, dtype, trainer.state_dict(), trainer.optimizer_state_dicts())
         trainer.shutdown()
 
     @pytest.mark.parametrize(("schedule", "m"), CASES)
     def test_step_equals_gradient_accumulation(self, pipeline: Pipeline, schedule: str, m: int) -> None:
         trainer = pipeline.trainer
+        if schedule not in SCHEDULES_OF[trainer.virtual_stages]:
+            pytest.skip(f"{schedule} runs on the trainers with another number of virtual stages")
+        if (schedule, m, trainer.num_stages) in {("interleaved-1f1b", 5, 2), ("interleaved-zb", 5, 2)}:
+            with pytest.raises(UsageError, match="so m must be a multiple of 2, got 5"):
+                trainer.set_schedule(schedule, m)  # torch's interleaved schedules cannot run this
+            return
         float64 = pipeline.dtype == torch.float64
         steps = 3 if float64 else 1  # float32 BatchNorm ResNets are chaotic beyond the first step
         trainer.load_state_dict(pipeline.initial_state)
@@ -146,10 +159,10 @@ class TestAgainstGradientAccumulation:
     def test_plan_and_stats(self, pipeline: Pipeline) -> None:
         trainer = pipeline.trainer
         plans = trainer.plan
-        assert [p.index for p in plans] == list(range(trainer.num_stages))
+        assert [p.index for p in plans] == list(range(trainer.num_stages * trainer.virtual_stages))
         assert sum(p.param_share for p in plans) == pytest.approx(1.0)
         if pipeline.dtype == torch.float32:
-            assert plans[1].blocks[0] == {2: "layer3.0", 3: "layer2.0"}[trainer.num_stages]
+            assert plans[1].blocks[0] == {2: "layer3.0", 3: "layer1.1"}[trainer.num_stages]
         x, y = _batches(pipeline.dtype, 1)[0]
         trainer.stats()
         trainer.train_step(x, y)
@@ -164,11 +177,13 @@ def test_deferred_bn_time_balance_adamw_and_clipping(ray_session: object) -> Non
     model = _model(torch.float64)
     batches = _batches(torch.float64, 2)
     options = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.01, "clip_grad_norm": 0.5}
-    with PipelineTrainer(model, 2, balance="time", sample_input=batches[0][0], deferred_bn=True,
-                         num_microbatches=3, **options) as pipeline:
+    # The zero-bubble schedule splits each backward into input and weight gradients: the clipping
+    # and the deferred statistics must not care.
+    with PipelineTrainer(model, 2, balance="time", sample_input=batches[0][0], deferred_bn=True, num_microbatches=4,
+                         schedule="interleaved-zb", virtual_stages=2, **options) as pipeline:  # fmt: skip
         assert all(plan.seconds > 0 for plan in pipeline.plan)
         losses = [pipeline.train_step(x, y) for x, y in batches[:1]]
-        # The stem's BatchNorm saw conv1(x) in 3 micro-batches; its running statistics are those
+        # The stem's BatchNorm saw conv1(x) in 4 micro-batches; its running statistics are those
         # of one BatchNorm pass over the whole batch.
         whole = copy.deepcopy(model.bn1)
         whole(model.conv1(batches[0][0]))
@@ -180,46 +195,80 @@ def test_deferred_bn_time_balance_adamw_and_clipping(ray_session: object) -> Non
 
     reference = convert_deferred_batchnorm(copy.deepcopy(model))
     optimizer = build_optimizer(reference.parameters(), "adamw", options["lr"], 0.0, options["weight_decay"])
-    want = [_accumulate(reference, optimizer, x, y, 3, clip=options["clip_grad_norm"]) for x, y in batches]
+    want = [_accumulate(reference, optimizer, x, y, 4, clip=options["clip_grad_norm"]) for x, y in batches]
     assert losses == pytest.approx(want, rel=1e-10)
     _assert_state_close(state, reference.state_dict(), 1e-10)
 
 
-def test_bf16_step_then_failing_and_killed_stages_are_named_then_shut_down(ray_session: object) -> None:
+def _tiny() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
-    # One trainer for both (start-up dominates): a plain nn.Sequential under bf16 autocast ...
-    with PipelineTrainer(model, 2, num_microbatches=2, autocast_bf16=True) as pipeline:
-        assert pipeline.train_step(x, y) == pytest.approx(F.cross_entropy(model(x), y).item(), rel=3e-2)
-        # ... then the failures.
-        with pytest.raises(UsageError, match="need a batch of at least 2 samples, got 1"):
-            pipeline.train_step(x[:1], y[:1])
-        with pytest.raises(StageFailedError) as info:
-            pipeline.train_step(x, torch.full((6,), 7))  # class 7 of 3: cross-entropy raises on the last stage
-        assert (info.value.stage, info.value.step) == (1, 2)
-        assert str(info.value).startswith("pipeline stage 1 (of stages 0-1) failed at step 2: ")
-        assert "out of bounds" in str(info.value)
+    return model, torch.randn(6, 4), torch.randint(0, 3, (6,))
 
-        ray.kill(pipeline.actor(0))
-        with pytest.raises(StageFailedError) as info:
-            pipeline.train_step(x, y)
-        assert (info.value.stage, info.value.step) == (0, 2)
-        assert str(info.value) == (
-            "pipeline stage 0 (of stages 0-1) failed at step 2: its actor died: The actor died unexpectedly "
-            "before finishing this task. The actor is dead because it was killed by `ray.kill`."
-        )
-    # Leaving the block shut it down: every use that needs the stages says so in one line.
+
+def _assert_stopped(pipeline: PipelineTrainer, model: nn.Module, x: torch.Tensor, y: torch.Tensor, why: str) -> None:
+    """Every use that needs the stages says, in one line, that they were stopped and why."""
     uses = [lambda: pipeline.train_step(x, y), lambda: pipeline.predict(x), pipeline.state_dict,
             pipeline.optimizer_state_dicts, lambda: pipeline.set_lr(0.1), lambda: pipeline.actor(0),
             lambda: pipeline.load_state_dict(model.state_dict())]  # fmt: skip
     for use in uses:
         with pytest.raises(RuntimeError) as info:
             use()
-        assert str(info.value) == (
-            "PipelineTrainer: used after shutdown(), which stopped its stage actors; build a new PipelineTrainer"
-        )
+        assert str(info.value) == f"PipelineTrainer: used after {why}; build a new PipelineTrainer"
     pipeline.shutdown()  # safe to call again
+
+
+def test_bf16_step_then_a_raising_stage_is_named_and_every_stage_stopped(ray_session: object) -> None:
+    model, x, y = _tiny()
+    # One trainer for both (start-up dominates): a plain nn.Sequential under bf16 autocast ...
+    pipeline = PipelineTrainer(model, 2, num_microbatches=2, autocast_bf16=True)
+    assert pipeline.train_step(x, y) == pytest.approx(F.cross_entropy(model(x), y).item(), rel=3e-2)
+    # ... then bad batches, refused before any call ...
+    with pytest.raises(UsageError, match="need a batch of at least 2 samples, got 1"):
+        pipeline.train_step(x[:1], y[:1])
+    with pytest.raises(UsageError) as info:
+        pipeline.train_step(x[:5], y[:5])
+    assert str(info.value) == (
+        "num_microbatches: 2 micro-batches do not divide a batch of 5 samples; "
+        "torch's pipeline runtime needs micro-batches of equal size"
+    )
+    # ... and a stage that raises while its peer waits for its gradients.
+    with pytest.raises(StageFailedError) as info:
+        pipeline.train_step(x, torch.full((6,), 7))  # class 7 of 3: cross-entropy raises on the last stage
+    assert (info.value.stage, info.value.step) == (1, 2)
+    assert str(info.value).startswith("pipeline stage 1 (of stages 0-1) failed at step 2: ")
+    assert "out of bounds" in str(info.value)
+    _assert_stopped(pipeline, model, x, y, "a failure of stage 1, after which it stopped every stage actor")
+
+
+def test_a_killed_stage_is_named(ray_session: object) -> None:
+    model, x, y = _tiny()
+    with PipelineTrainer(model, 2, num_microbatches=2) as pipeline:
+        pipeline.train_step(x, y)
+        ray.kill(pipeline.actor(0))
+        with pytest.raises(StageFailedError) as info:
+            pipeline.train_step(x, y)
+    assert (info.value.stage, info.value.step) == (0, 2)
+    assert str(info.value) == (
+        "pipeline stage 0 (of stages 0-1) failed at step 2: its actor died: The actor died unexpectedly "
+        "before finishing this task. The actor is dead because it was killed by `ray.kill`."
+    )
+    _assert_stopped(pipeline, model, x, y, "a failure of stage 0, after which it stopped every stage actor")
+
+
+def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) -> None:
+    model, x, y = _tiny()
+    with PipelineTrainer(model, 2, num_microbatches=2, p2p_timeout_s=3) as pipeline:
+        pipeline.train_step(x, y)
+        pid = ray.get(pipeline.actor(1).__ray_call__.remote(lambda worker: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)  # alive, but it never answers again
+        with pytest.raises(StageFailedError) as info:
+            pipeline.train_step(x, y)
+    assert (info.value.stage, info.value.step) == (1, 2)
+    assert str(info.value).startswith(
+        "pipeline stage 1 (of stages 0-1) failed at step 2: TimeoutError: it stopped answering; "
+        "stage 0 gave up waiting for it: "
+    )
 
 
 @pytest.mark.parametrize(
@@ -242,12 +291,11 @@ def test_bf16_step_then_failing_and_killed_stages_are_named_then_shut_down(ray_s
         ({"balance": "time"}, "balance: 'time' needs sample_input, a batch like the training batches, to profile on"),
         ({"balance": "time", "sample_input": torch.zeros(3, 1, 8, 8)},
          "num_microbatches: 4 micro-batches need a batch of at least 4 samples, got 3"),
-        ({"transport": "tcp"}, "transport: unknown transport 'tcp'; accepted: object_store, nccl, gloo"),
+        ({"schedule": "interleaved-1f1b"}, "virtual_stages: interleaved-1f1b needs at least 2 stages per rank, got 1"),
+        ({"virtual_stages": 0}, "virtual_stages: must be >= 1, got 0"),
+        ({"p2p_timeout_s": 0}, "p2p_timeout_s: must be > 0 seconds, got 0"),
         ({"cpus_per_stage": 0}, "cpus_per_stage: must be a whole number >= 1, got 0"),
         ({"use_gpu": True}, "use_gpu: 2 stages need 2 GPU (1 each); the Ray cluster has 0"),
-        ({"transport": "nccl", "use_gpu": False}, "transport: 'nccl' moves tensors between GPUs; it needs use_gpu"),
-        ({"transport": "gloo", "use_gpu": True},
-         "transport: 'gloo' moves CPU tensors; GPU stages use 'nccl' or 'object_store'"),
         ({"cpus_per_stage": 3}, "cpus_per_stage: 2 stages need 6 CPU (3 each); the Ray cluster has 4"),
         ({"placement_strategy": "RANDOM"},
          "placement_strategy: unknown strategy 'RANDOM'; accepted: STRICT_PACK, PACK, SPREAD, STRICT_SPREAD"),
@@ -303,15 +351,13 @@ def test_placement_checks() -> None:
     assert str(info.value) == "use_gpu: 5 stages need 5 GPU (1 each); the Ray cluster has 4"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("transport", ["object_store", "nccl"])
-def test_gpu_stages_equal_gradient_accumulation(ray_session: object, transport: str) -> None:
-    num_stages = min(2, int(ray.cluster_resources().get("GPU", 0)))
-    if num_stages < (2 if transport == "nccl" else 1):
-        pytest.skip(f"the Ray session sees too few GPUs for {transport}")
-    options = {"lr": LRS[0], "weight_decay": 0.0, "use_gpu": True, "transport": transport}
-    with PipelineTrainer(_model(torch.float64), num_stages, **options) as pipeline:
-        assert len(pipeline.devices) == num_stages
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: 2 GPUs")
+def test_gpu_stages_over_nccl_equal_gradient_accumulation(ray_session: object) -> None:
+    if ray.cluster_resources().get("GPU", 0) < 2:
+        pytest.skip("the Ray session sees fewer than 2 GPUs")
+    options = {"lr": LRS[0], "weight_decay": 0.0, "use_gpu": True}
+    with PipelineTrainer(_model(torch.float64), 2, **options) as pipeline:
+        assert len(pipeline.devices) == 2
         x, y = _batches(torch.float64, 1)[0]
         loss = pipeline.train_step(x, y)
         state = pipeline.state_dict()
