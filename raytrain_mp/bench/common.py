@@ -5,6 +5,8 @@ Job: keep the benchmarks' method identical, so their figures compare: a figure i
 the machine (CPU count, GPU names, torch and ray versions, load average) next to the figures.
 ``torchrun`` launches the bare torch.distributed peers (``bench.ddp_bare``,
 ``bench.pipeline_native``) one way: ``--settings JSON --result PATH``, rank 0 writes the JSON.
+``bar_chart`` and ``curve_chart`` draw every benchmark's plots the same way: medians with min-max
+whiskers.
 
 Invariants: ``summarize`` never sees an empty list (``timed`` refuses ``steps < 1``); results are
 written atomically (a half-written ``results.json`` never exists); plots use matplotlib's Agg
@@ -26,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
@@ -123,6 +124,36 @@ def bar_chart(
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.margins(y=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def curve_chart(
+    path: Path,
+    curves: dict[str, tuple[Sequence[tuple[int, dict[str, float]]], str]],
+    xticks: Sequence[int],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+) -> None:
+    """One line per curve, ``label -> ([(x, figure), ...], line style)``: medians with min-max
+    error bars over a log-2 x axis; a curve without points is left out."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, (points, style) in curves.items():
+        if not points:
+            continue
+        xs = [x for x, _ in points]
+        med = [f["median"] for _, f in points]
+        err = [[m - f["min"] for m, (_, f) in zip(med, points)], [f["max"] - m for m, (_, f) in zip(med, points)]]
+        ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, linestyle=style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(xticks), [str(x) for x in xticks])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -11,6 +11,7 @@ from typing import Any
 
 from raytrain_mp.config import check, check_choice, check_local, check_writable, option
 from raytrain_mp.models import MODEL_NAMES
+from raytrain_mp.pipeline.schedule import SCHEDULES
 
 SEEDS_SPLIT = ("layer3",)
 
@@ -81,6 +82,13 @@ class BenchPipelineConfig:
     steps: int = option(3, "timed steps per figure")
     warmup: int = option(1, "untimed steps before each figure")
     seed: int = option(0, "seed of the model and the random batch")
+    overhead: bool = option(True, "also time the overhead-bound case: a tiny MLP whose compute is negligible, ours vs native", group="benchmark")
+    overhead_batch_size: int = option(64, "overhead case: samples per step of the MLP", group="benchmark")
+    overhead_microbatches: tuple[int, ...] = option((2, 4, 8, 16), "overhead case: the m values to sweep", group="benchmark")
+    overhead_schedules: tuple[str, ...] = option(
+        ("gpipe", "1f1b"), f"overhead case: schedules to sweep, of {', '.join(SCHEDULES)}", group="benchmark"
+    )
+    overhead_steps: int = option(20, "overhead case: timed steps per figure (after a few untimed ones)", group="benchmark")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
     verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
     json: bool = False
@@ -104,6 +112,18 @@ class BenchPipelineConfig:
             "balance_microbatches",
             f"must be between 1 and --global-batch-size {self.global_batch_size}, got {self.balance_microbatches}",
         )
+        check(self.overhead_batch_size >= 1, "overhead_batch_size", f"must be >= 1, got {self.overhead_batch_size}")
+        check(len(self.overhead_microbatches) >= 1, "overhead_microbatches", "give at least one m, e.g. 2,4,8,16")
+        bad = [m for m in self.overhead_microbatches if not 1 <= m <= self.overhead_batch_size]
+        check(
+            not bad,
+            "overhead_microbatches",
+            f"each m must be between 1 and --overhead-batch-size {self.overhead_batch_size}, got {bad}",
+        )
+        check(self.overhead_steps >= 1, "overhead_steps", f"must be >= 1, got {self.overhead_steps}")
+        check(len(self.overhead_schedules) >= 1, "overhead_schedules", f"give at least one of {', '.join(SCHEDULES)}")
+        unknown = [s for s in self.overhead_schedules if s not in SCHEDULES]
+        check(not unknown, "overhead_schedules", f"unknown schedule(s) {unknown}; accepted: {', '.join(SCHEDULES)}")
 
     @property
     def sweep(self) -> list[int]:

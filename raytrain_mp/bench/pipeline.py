@@ -1,8 +1,10 @@
 """``raytrain-mp bench pipeline``: one process vs naive model parallel vs our pipelined schedules
-vs PyTorch's own ``torch.distributed.pipelining``.
+vs PyTorch's own ``torch.distributed.pipelining``, and ours vs native where only the pipeline
+machinery costs time.
 
 Job: time one training step (forward, backward, SGD step) of the same model on the same random
-in-memory batch in each of these ways, and write ``results.json`` plus two plots:
+in-memory batch in each of these ways, and write ``results.json`` plus two plots (three with the
+overhead case):
 
 - one process with ``--threads`` torch threads, the whole batch at once;
 - the same process with gradient accumulation over m micro-batches: on a CPU a smaller
@@ -19,6 +21,17 @@ in-memory batch in each of these ways, and write ``results.json`` plus two plots
   as 1F1B with m < stages, is listed under ``skipped`` with the reason). ``summary.ours_over_native``
   is, per schedule and m, native median step seconds / ours on the seeds' split (>1: ours is
   faster). A failing torchrun fails the benchmark.
+- the overhead case (``--overhead``, on by default): a seeded MLP whose compute is negligible
+  (``seeded_mlp``: 32 features, 64 hidden, 10 classes, 3 Linear layers, one pipeline block each;
+  more when stages x virtual stages need more), batch ``--overhead-batch-size``, cut evenly into
+  ``--stages`` stages, ours (``PipelineTrainer`` on CPU stage actors, ``virtual_stages=2`` for
+  the interleaved schedules) and native (a second case in the same torchrun) over
+  ``--overhead-schedules`` x ``--overhead-microbatches``, ``--overhead-steps`` timed steps after
+  ``OVERHEAD_WARMUP`` untimed ones. ``results["overhead"]["runs"]`` holds per (schedule, m) ours'
+  and native milliseconds per step, ``native_over_ours`` (native median / ours; >= 1: ours is at
+  least as fast), ours' measured bubble fraction and, for GPipe and 1F1B, (p-1)/(m+p-1);
+  ``summary.overhead_native_over_ours`` is that ratio per schedule at m=8; ``overhead.png``
+  plots milliseconds per step against m.
 
 Invariants:
 - Every step time is the median of ``--steps`` timed steps after ``--warmup`` untimed ones, with
@@ -26,7 +39,13 @@ Invariants:
 - A layout's stages start once and the sweep changes only the schedule and m
   (``PipelineTrainer.set_schedule``), so actor start-up and profiling are never timed; the native
   ranks likewise build their model once, and their first step of each (schedule, m), which infers
-  the stage's shapes, is a warm-up step.
+  the stage's shapes, is a warm-up step. A (schedule, m) that ``set_schedule`` refuses is listed
+  under ``skipped`` with its reason. The ResNet and the MLP go through the same timing code
+  (``sweep_runs``, and ``bench.pipeline_native.measure`` on the native side).
+- The overhead case's two sides run the same seeded MLP, batch, stage cut (``even_cut``), loss,
+  optimizer and (schedule, m) points; it is timed while no other stages or ranks run, and it
+  uses only ``PipelineTrainer``'s public interface (constructor, ``set_schedule``,
+  ``train_step``, ``stats``, ``shutdown``).
 - The measured bubble fraction (``PipelineTrainer.stats``) sits next to GPipe's formula
   (p-1)/(m+p-1); peak activation memory per stage is the largest number of micro-batches a stage
   holds under the schedule times the bytes autograd saves for one micro-batch in that stage
@@ -48,14 +67,15 @@ from torch import Tensor, nn
 
 from raytrain_mp.bench.common import (
     bar_chart,
+    curve_chart,
     machine,
-    pyplot,
     summarize,
     timed,
     torchrun,
     write_results,
 )
 from raytrain_mp.bench.config import BenchPipelineConfig
+from raytrain_mp.errors import UsageError
 from raytrain_mp.models import build_model, wants_small_stem
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import (
@@ -69,6 +89,24 @@ from raytrain_mp.pipeline.schedule import FORWARD
 
 LR = 0.01  # small enough that random labels never blow the weights up (NaNs would change the timing)
 MOMENTUM = 0.9
+MLP_FEATURES, MLP_HIDDEN, MLP_CLASSES = 32, 64, 10  # the overhead case's model: compute is negligible
+OVERHEAD_WARMUP = 3  # untimed steps before each overhead figure (the native stages infer shapes in the first)
+FORMULA_SCHEDULES = ("gpipe", "1f1b")  # the schedules whose idle share is (p-1)/(m+p-1)
+RATIO_AT_M = 8  # summary.overhead_native_over_ours compares the schedules at this m
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """The (schedule, m) points one model's stages run, and how each is timed; ``label`` prefixes
+    its progress lines, which show step times in ``unit``. Plain values: it travels as JSON to the
+    native ranks."""
+
+    label: str
+    unit: str  # "s" or "ms"
+    schedules: tuple[str, ...]
+    microbatches: tuple[int, ...]
+    warmup: int
+    steps: int
 
 
 def gpipe_bubble(num_stages: int, num_microbatches: int) -> float:
@@ -123,6 +161,38 @@ def seeded_setup(model_name: str, num_classes: int, image_size: int, batch_size:
     return model, x, y
 
 
+def seeded_mlp(layers: int, batch_size: int, seed: int) -> tuple[nn.Module, Tensor, Tensor]:
+    """The overhead case's model, ``layers`` Linear layers with ReLUs between them (one pipeline
+    block each, ``flatten_model``), and its random batch; seeded like ``seeded_setup``."""
+    torch.manual_seed(seed)
+    widths = [MLP_FEATURES] + [MLP_HIDDEN] * (layers - 1) + [MLP_CLASSES]
+    modules: list[nn.Module] = []
+    for fan_in, fan_out in zip(widths, widths[1:]):
+        modules += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    model = nn.Sequential(*modules[:-1])
+    x = torch.randn(batch_size, MLP_FEATURES)
+    y = torch.randint(MLP_CLASSES, (batch_size,))
+    return model, x, y
+
+
+def virtual_stages(schedule: str) -> int:
+    """Model chunks per stage actor: 2 for the interleaved schedules, else 1."""
+    return 2 if schedule.startswith("interleaved") else 1
+
+
+def mlp_layers(cfg: BenchPipelineConfig) -> int:
+    """3, or as many as the overhead schedules' model chunks (stages x virtual stages) need."""
+    return max(3, cfg.stages * max(virtual_stages(s) for s in cfg.overhead_schedules))
+
+
+def even_cut(model: nn.Module, chunks: int) -> tuple[list[str], list[list[str]]]:
+    """(split points, block names per chunk) cutting ``model``'s blocks into ``chunks`` runs whose
+    lengths differ by at most one; the earlier runs are the shorter."""
+    names = [block.name for block in flatten_model(model)]
+    cuts = [len(names) * i // chunks for i in range(1, chunks)]
+    return [names[c] for c in cuts], [names[a:b] for a, b in zip([0, *cuts], [*cuts, len(names)])]
+
+
 def stage_modules(model: nn.Module, stage_blocks: Sequence[Sequence[str]]) -> list[StageModule]:
     """The stages a plan describes (block names per stage), sharing ``model``'s modules."""
     by_name = {block.name: block for block in flatten_model(model)}
@@ -145,9 +215,14 @@ def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Ten
         torch.cuda.synchronize()
 
 
-def progress(label: str, step_seconds: dict[str, float]) -> None:
-    """One line per figure as it is measured (a default run takes minutes)."""
-    print(f"{label}: {step_seconds['median']:.3f} s/step (min {step_seconds['min']:.3f}, max {step_seconds['max']:.3f})", flush=True)
+def progress(label: str, step_seconds: dict[str, float], unit: str = "s") -> None:
+    """One line per figure as it is measured (a default run takes minutes), in ``unit`` (s, ms)."""
+    shown = in_ms(step_seconds) if unit == "ms" else step_seconds
+    print(f"{label}: {shown['median']:.3f} {unit}/step (min {shown['min']:.3f}, max {shown['max']:.3f})", flush=True)
+
+
+def in_ms(step_seconds: dict[str, float]) -> dict[str, float]:
+    return {key: value * 1000 for key, value in step_seconds.items()}
 
 
 def one_process(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Any]:
@@ -174,9 +249,9 @@ def one_process(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor
     }
 
 
-def pipeline_run(cfg: BenchPipelineConfig, trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, m: int) -> dict[str, Any]:
-    """Step time, busy time per stage and bubble fraction of one (schedule, m) on running stages."""
-    trainer.set_schedule(schedule, m)
+def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, m: int, sweep: Sweep) -> dict[str, Any]:
+    """Step time, busy time per stage and bubble fraction of one (schedule, m) on running stages
+    (``trainer.set_schedule`` already called); GPipe's formula for the schedules it describes."""
     trainer.stats(reset=True)
     per_step: list[dict[str, Any]] = []
 
@@ -184,17 +259,36 @@ def pipeline_run(cfg: BenchPipelineConfig, trainer: PipelineTrainer, x: Tensor, 
         trainer.train_step(x, y)
         per_step.append(trainer.stats(reset=True))
 
-    seconds = timed(step, cfg.warmup, cfg.steps)
-    progress(f"{schedule} m={m}", summarize(seconds))
-    measured = per_step[cfg.warmup:]
-    return {
+    seconds = timed(step, sweep.warmup, sweep.steps)
+    progress(f"{sweep.label}{schedule} m={m}", summarize(seconds), sweep.unit)
+    measured = per_step[sweep.warmup:]
+    busy = [summarize(per_stage) for per_stage in zip(*(s["busy_seconds"] for s in measured))]
+    run = {
         "schedule": schedule,
         "microbatches": m,
         "step_seconds": summarize(seconds),
-        "busy_seconds": [summarize([s["busy_seconds"][i] for s in measured]) for i in range(cfg.stages)],
+        "busy_seconds": busy,
         "bubble_fraction": summarize([s["bubble_fraction"] for s in measured]),
-        "bubble_formula": gpipe_bubble(cfg.stages, m),
     }
+    if schedule in FORMULA_SCHEDULES:
+        run["bubble_formula"] = gpipe_bubble(len(busy), m)
+    return run
+
+
+def sweep_runs(trainer: PipelineTrainer, x: Tensor, y: Tensor, sweep: Sweep) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(runs, skipped): every (schedule, m) of ``sweep`` on the trainer's running stages, but those
+    the schedule refuses (1F1B with m < stages), listed with the reason."""
+    runs, skipped = [], []
+    for schedule in sweep.schedules:
+        for m in sweep.microbatches:
+            try:
+                trainer.set_schedule(schedule, m)
+            except UsageError as exc:
+                skipped.append({"schedule": schedule, "microbatches": m, "reason": str(exc)})
+                print(f"{sweep.label}{schedule} m={m}: skipped, {exc}", flush=True)
+                continue
+            runs.append(pipeline_run(trainer, x, y, schedule, m, sweep))
+    return runs, skipped
 
 
 def layout_runs(
@@ -207,7 +301,7 @@ def layout_runs(
     schedules: Sequence[str] = ("gpipe", "1f1b"),
 ) -> dict[str, Any]:
     """Every (schedule, m) of ``schedules`` on one partition: the given split points, or
-    time-balanced stages."""
+    time-balanced stages; the (schedule, m) the schedule refuses under ``skipped``."""
     partition: dict[str, Any] = (
         {"split_points": list(split_points)}
         if split_points is not None
@@ -218,12 +312,7 @@ def layout_runs(
     ) as trainer:
         plan = [dataclasses.asdict(stage) for stage in trainer.plan]
         print("stages: " + " | ".join(f"{p['blocks'][0]}..{p['blocks'][-1]}" for p in plan), flush=True)
-        runs = [
-            pipeline_run(cfg, trainer, x, y, schedule, m)
-            for schedule in schedules
-            for m in microbatches
-            if schedule == "gpipe" or m >= cfg.stages  # 1F1B needs a micro-batch per stage
-        ]
+        runs, skipped = sweep_runs(trainer, x, y, Sweep("", "s", tuple(schedules), tuple(microbatches), cfg.warmup, cfg.steps))
     # Activation memory is measured after the timed runs, so it never competes with them for CPUs.
     stages = stage_modules(model, [stage["blocks"] for stage in plan])
     per_microbatch: dict[int, list[int]] = {}  # m -> bytes per stage of micro-batch 0, the largest
@@ -235,43 +324,88 @@ def layout_runs(
         held = max_in_flight(run["schedule"], cfg.stages, m)
         run["peak_activation_bytes"] = [count * size for count, size in zip(held, per_microbatch[m])]
         run["samples_per_second"] = cfg.global_batch_size / run["step_seconds"]["median"]
-    return {"plan": plan, "runs": runs}
+    return {"plan": plan, "runs": runs, "skipped": skipped}
+
+
+def overhead_sweep(cfg: BenchPipelineConfig) -> Sweep:
+    """The overhead case's points, the same for ours and native: every schedule x every m (sorted)."""
+    microbatches = tuple(sorted(set(cfg.overhead_microbatches)))
+    return Sweep("overhead ", "ms", cfg.overhead_schedules, microbatches, OVERHEAD_WARMUP, cfg.overhead_steps)
+
+
+def overhead_runs(cfg: BenchPipelineConfig) -> dict[str, Any]:
+    """Ours on the overhead case: the seeded MLP cut evenly into stages x virtual stages chunks,
+    one ``PipelineTrainer`` per virtual-stage count (started once), every (schedule, m) of the
+    overhead sweep on it; step times in milliseconds."""
+    model, x, y = seeded_mlp(mlp_layers(cfg), cfg.overhead_batch_size, cfg.seed)
+    runs, skipped, layouts = [], [], []
+    for virtual in dict.fromkeys(virtual_stages(s) for s in cfg.overhead_schedules):
+        schedules = tuple(s for s in cfg.overhead_schedules if virtual_stages(s) == virtual)
+        points, _ = even_cut(model, cfg.stages * virtual)
+        layouts.append({"virtual_stages": virtual, "split_points": points, "schedules": list(schedules)})
+        trainer = PipelineTrainer(
+            model, num_stages=cfg.stages, split_points=points, schedule=schedules[0], num_microbatches=max(cfg.overhead_microbatches),
+            optimizer="sgd", lr=LR, momentum=MOMENTUM, weight_decay=0.0, use_gpu=False, cpus_per_stage=cfg.cpus_per_stage,
+            **({"virtual_stages": virtual} if virtual > 1 else {}),
+        )  # fmt: skip
+        try:
+            print(f"overhead case: {len(points) + 1}-chunk MLP on {cfg.stages} stages, cut before {', '.join(points)}", flush=True)
+            done, refused = sweep_runs(trainer, x, y, dataclasses.replace(overhead_sweep(cfg), schedules=schedules))
+        finally:
+            trainer.shutdown()
+        runs += [{**run, "virtual_stages": virtual} for run in done]
+        skipped += refused
+    return {"layouts": layouts, "runs": runs, "skipped": skipped}
 
 
 def native_settings(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """What ``bench.pipeline_native`` needs (plain values, it travels as JSON): the model and batch
-    arguments of ``seeded_setup``, the stages' block names, the sweep and the timing."""
-    return {
-        "model": cfg.model,
-        "num_classes": cfg.num_classes,
-        "image_size": cfg.image_size,
-        "batch_size": cfg.global_batch_size,
-        "seed": cfg.seed,
-        "threads": cfg.cpus_per_stage,
-        "stage_blocks": [list(stage["blocks"]) for stage in plan],
-        "schedules": ["gpipe", "1f1b"],
-        "microbatches": sorted(cfg.microbatches),
-        "steps": cfg.steps,
-        "warmup": cfg.warmup,
-    }
+    """What ``bench.pipeline_native`` needs (plain values, it travels as JSON): the threads, and per
+    case (``resnet``; ``overhead`` when it is on) the name and arguments of its seeded setup
+    function, the stages' block names and the sweep with its timing."""
+    resnet = Sweep("", "s", ("gpipe", "1f1b"), tuple(sorted(cfg.microbatches)), cfg.warmup, cfg.steps)
+    cases = {
+        "resnet": {
+            "setup": "seeded_setup",
+            "arguments": {"model_name": cfg.model, "num_classes": cfg.num_classes, "image_size": cfg.image_size,
+                          "batch_size": cfg.global_batch_size, "seed": cfg.seed},
+            "stage_blocks": [list(stage["blocks"]) for stage in plan],
+            **dataclasses.asdict(resnet),
+        },
+    }  # fmt: skip
+    if cfg.overhead:
+        arguments = {"layers": mlp_layers(cfg), "batch_size": cfg.overhead_batch_size, "seed": cfg.seed}
+        cases["overhead"] = {
+            "setup": "seeded_mlp",
+            "arguments": arguments,
+            "stage_blocks": even_cut(seeded_mlp(**arguments)[0], cfg.stages)[1],
+            **dataclasses.asdict(overhead_sweep(cfg)),
+        }
+    return {"threads": cfg.cpus_per_stage, "cases": cases}
 
 
-def native_runs(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """GPipe and 1F1B of ``torch.distributed.pipelining`` on the stages of ``plan``, one torchrun
-    rank per stage; raises ``RuntimeError`` when torchrun fails."""
+def native_runs(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """GPipe and 1F1B of ``torch.distributed.pipelining`` in one torchrun, one rank per stage: on
+    the stages of ``plan`` and, when the overhead case is on, on the MLP's; raises
+    ``RuntimeError`` when torchrun fails. Returns (resnet figures, overhead figures or None)."""
     what = f"torch.distributed.pipelining benchmark (torchrun, {cfg.stages} ranks)"
-    native = torchrun("raytrain_mp.bench.pipeline_native", cfg.stages, native_settings(cfg, plan), cfg.cpus_per_stage, what)
-    for run in native["runs"]:
-        progress(f"native {run['schedule']} m={run['microbatches']}", run["step_seconds"])
+    settings = native_settings(cfg, plan)
+    native = torchrun("raytrain_mp.bench.pipeline_native", cfg.stages, settings, cfg.cpus_per_stage, what)
+    cases = native.pop("cases")
+    for name, case in cases.items():
+        label, unit = settings["cases"][name]["label"], settings["cases"][name]["unit"]
+        for run in case["runs"]:
+            progress(f"{label}native {run['schedule']} m={run['microbatches']}", run["step_seconds"], unit)
+        for skip in case["skipped"]:
+            print(f"{label}native {skip['schedule']} m={skip['microbatches']}: skipped, {skip['reason']}", flush=True)
+    for run in cases["resnet"]["runs"]:
         run["samples_per_second"] = cfg.global_batch_size / run["step_seconds"]["median"]
-    for skip in native["skipped"]:
-        print(f"native {skip['schedule']} m={skip['microbatches']}: skipped, {skip['reason']}", flush=True)
-    return {
+    described = {
         "api": "torch.distributed.pipelining: PipelineStage + ScheduleGPipe / Schedule1F1B",
         "launcher": f"torchrun --standalone --nproc-per-node {cfg.stages}",
-        "split": "fixed",
         **native,
     }
+    overhead = {**described, **cases["overhead"]} if "overhead" in cases else None
+    return {**described, "split": "fixed", **cases["resnet"]}, overhead
 
 
 def find_run(layout: dict[str, Any], schedule: str, m: int) -> dict[str, Any] | None:
@@ -350,30 +484,73 @@ def plot_m_curve(
     path: Path, cfg: BenchPipelineConfig, local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: dict[str, Any]
 ) -> None:
     """Step time against m for every variant: the seeds' split-size curve; native ones dashed."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    curves = {"one process, grad accum": ([local["whole_batch"], *local["grad_accum"]], "-")}
+
+    def points(runs: Sequence[dict[str, Any]]) -> list[tuple[int, dict[str, float]]]:
+        return [(r["microbatches"], r["step_seconds"]) for r in runs]
+
+    curves = {"one process, grad accum": (points([local["whole_batch"], *local["grad_accum"]]), "-")}
     for name, layout in layouts.items():
         for schedule in ("gpipe", "1f1b"):
-            curves[f"{schedule}, {name} split"] = ([r for r in layout["runs"] if r["schedule"] == schedule], "-")
+            curves[f"{schedule}, {name} split"] = (points([r for r in layout["runs"] if r["schedule"] == schedule]), "-")
     for schedule in ("gpipe", "1f1b"):
-        curves[f"torch {schedule}, {native['split']} split"] = ([r for r in native["runs"] if r["schedule"] == schedule], "--")
-    for label, (runs, style) in curves.items():
-        if not runs:
-            continue
-        ms = [r["microbatches"] for r in runs]
-        med = [r["step_seconds"]["median"] for r in runs]
-        err = [[m - r["step_seconds"]["min"] for m, r in zip(med, runs)], [r["step_seconds"]["max"] - m for m, r in zip(med, runs)]]
-        ax.errorbar(ms, med, yerr=err, marker="o", capsize=3, linestyle=style, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(cfg.sweep, [str(m) for m in cfg.sweep])
-    ax.set_xlabel("micro-batches per step (m)")
-    ax.set_ylabel("seconds per training step")
-    ax.set_title(f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.global_batch_size}, {cfg.stages} stages", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        curves[f"torch {schedule}, {native['split']} split"] = (points([r for r in native["runs"] if r["schedule"] == schedule]), "--")
+    title = f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.global_batch_size}, {cfg.stages} stages"
+    curve_chart(path, curves, cfg.sweep, "micro-batches per step (m)", "seconds per training step", title)
+
+
+def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dict[str, Any]) -> dict[str, Any]:
+    """``results["overhead"]``: per (schedule, m) ours ran, its milliseconds per step and measured
+    bubble fraction (with the formula for GPipe and 1F1B) and, where the native peer ran the same
+    point, its milliseconds and ``native_over_ours`` = native / ours median (>= 1: ours is at
+    least as fast); what either side skipped, with the reason."""
+    runs = []
+    for run in ours["runs"]:
+        entry = {
+            "schedule": run["schedule"],
+            "microbatches": run["microbatches"],
+            "virtual_stages": run["virtual_stages"],
+            "ours_ms": in_ms(run["step_seconds"]),
+            "bubble_fraction": run["bubble_fraction"],
+            **({"bubble_formula": run["bubble_formula"]} if "bubble_formula" in run else {}),
+        }
+        peer = find_run(native, run["schedule"], run["microbatches"])
+        if peer is not None:
+            entry["native_ms"] = in_ms(peer["step_seconds"])
+            entry["native_over_ours"] = peer["step_seconds"]["median"] / run["step_seconds"]["median"]
+        runs.append(entry)
+    layers = mlp_layers(cfg)
+    return {
+        "model": f"MLP {MLP_FEATURES}-{'-'.join([str(MLP_HIDDEN)] * (layers - 1))}-{MLP_CLASSES}, ReLU, {layers} Linear layers",
+        "batch_size": cfg.overhead_batch_size,
+        "stages": cfg.stages,
+        "warmup": OVERHEAD_WARMUP,
+        "steps": cfg.overhead_steps,
+        "layouts": ours["layouts"],
+        "runs": runs,
+        "skipped": [{"side": side, **skip} for side, figures in (("ours", ours), ("native", native)) for skip in figures["skipped"]],
+        "native": {key: native[key] for key in ("api", "launcher", "backend", "device", "world", "threads")},
+    }
+
+
+def overhead_ratios(overhead: dict[str, Any]) -> dict[str, float]:
+    """``summary.overhead_native_over_ours``: per schedule, native / ours at m = ``RATIO_AT_M``
+    (schedules without that point measured on both sides are left out)."""
+    return {
+        run["schedule"]: run["native_over_ours"]
+        for run in overhead["runs"]
+        if run["microbatches"] == RATIO_AT_M and "native_over_ours" in run
+    }
+
+
+def plot_overhead(path: Path, cfg: BenchPipelineConfig, overhead: dict[str, Any]) -> None:
+    """Milliseconds per step against m on the MLP, ours solid and native dashed, per schedule."""
+    curves = {}
+    for schedule in cfg.overhead_schedules:
+        runs = [r for r in overhead["runs"] if r["schedule"] == schedule]
+        curves[f"ours {schedule}"] = ([(r["microbatches"], r["ours_ms"]) for r in runs], "-")
+        curves[f"torch {schedule}"] = ([(r["microbatches"], r["native_ms"]) for r in runs if "native_ms" in r], "--")
+    title = f"overhead case: {overhead['model']}, batch {cfg.overhead_batch_size}, {cfg.stages} stages"
+    curve_chart(path, curves, overhead_sweep(cfg).microbatches, "micro-batches per step (m)", "milliseconds per training step", title)
 
 
 def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
@@ -384,15 +561,17 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
 
     local = one_process(cfg, model, x, y)
     layouts = {"fixed": layout_runs(cfg, model, x, y, cfg.split_points, cfg.sweep)}
-    native = native_runs(cfg, layouts["fixed"]["plan"])
+    ours_overhead = overhead_runs(cfg) if cfg.overhead else None
+    native, native_overhead = native_runs(cfg, layouts["fixed"]["plan"])
     if cfg.balanced:
         layouts["balanced"] = layout_runs(cfg, model, x, y, None, sorted(cfg.microbatches), schedules=("gpipe",))
 
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    plot_bars(out / "step_time_bars.png", local, layouts, best_run(layouts), native)
-    plot_m_curve(out / "m_curve.png", cfg, local, layouts, native)
-    results = {
+    plots = [out / "step_time_bars.png", out / "m_curve.png"]
+    plot_bars(plots[0], local, layouts, best_run(layouts), native)
+    plot_m_curve(plots[1], cfg, local, layouts, native)
+    results: dict[str, Any] = {
         "benchmark": "pipeline",
         "machine": host,
         "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", "address", "out", "verbose")},
@@ -400,7 +579,12 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
         "layouts": layouts,
         "native": native,
         "summary": summary(local, layouts, native),
-        "elapsed_seconds": time.perf_counter() - started,
     }
+    if ours_overhead is not None and native_overhead is not None:
+        results["overhead"] = overhead_section(cfg, ours_overhead, native_overhead)
+        results["summary"]["overhead_native_over_ours"] = overhead_ratios(results["overhead"])
+        plots.append(out / "overhead.png")
+        plot_overhead(plots[-1], cfg, results["overhead"])
+    results["elapsed_seconds"] = time.perf_counter() - started
     path = write_results(out, results)
-    return {"results": str(path), "plots": [str(out / "step_time_bars.png"), str(out / "m_curve.png")], **results["summary"]}
+    return {"results": str(path), "plots": [str(plot) for plot in plots], **results["summary"]}

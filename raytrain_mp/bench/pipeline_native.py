@@ -1,11 +1,13 @@
 """The native side of ``raytrain-mp bench pipeline``: PyTorch's own ``torch.distributed.pipelining``.
 
 Job: join the process group torchrun describes (gloo on CPU; NCCL with one GPU per rank when the
-machine has a GPU for every rank), build the same seeded model and batch as ``bench.pipeline``
-(``seeded_setup``), take this rank's stage of the given block names (the seeds'-split layout's
-stages, ``stage_modules``), wrap it in ``PipelineStage`` and time one training step
-(``schedule.step``, then SGD with ``bench.pipeline``'s lr and momentum) under ``ScheduleGPipe`` and
-``Schedule1F1B`` for every m of the settings; rank 0 writes the figures as JSON. Run as
+machine has a GPU for every rank) and, for each case of the settings in turn (``resnet``: the
+seeds'-split layout's stages; ``overhead``: the tiny MLP of the overhead case), build the same
+seeded model and batch as ``bench.pipeline`` (the case names ``seeded_setup`` or ``seeded_mlp``
+and its arguments), take this rank's stage of the case's block names (``stage_modules``), wrap it
+in ``PipelineStage`` and time one training step (``schedule.step``, then SGD with
+``bench.pipeline``'s lr and momentum) under ``ScheduleGPipe`` and ``Schedule1F1B`` for every
+(schedule, m) of the case's sweep; rank 0 writes the figures of every case as JSON. Run as
 ``python -m torch.distributed.run --standalone --nproc-per-node STAGES -m
 raytrain_mp.bench.pipeline_native --settings JSON --result PATH`` (``bench.common.torchrun``).
 
@@ -20,8 +22,11 @@ Invariants:
   micro-batch of its first step (a real forward and backward, which warm-up absorbs). The model
   and optimizer state carry over, as they do across our trainer's sweep.
 - A (schedule, m) the API refuses (1F1B with m < stages) or cannot run (m not dividing the batch:
-  receive buffers are sized from one micro-batch) is skipped with the reason, on every rank alike,
-  so no rank waits on a peer that skipped.
+  receive buffers are sized from one micro-batch), and a schedule this peer does not wire (the
+  interleaved ones, which put several stages on a rank), is skipped with the reason, on every rank
+  alike, so no rank waits on a peer that skipped.
+- The cases run one after the other in one torchrun and share nothing but the process group and
+  the thread count: each builds its own model, optimizer and stages.
 """
 
 from __future__ import annotations
@@ -39,9 +44,10 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from raytrain_mp.bench.common import summarize, timed
-from raytrain_mp.bench.pipeline import seeded_setup, sgd, stage_modules
+from raytrain_mp.bench.pipeline import seeded_mlp, seeded_setup, sgd, stage_modules
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SETUPS = {"seeded_setup": seeded_setup, "seeded_mlp": seeded_mlp}
 
 
 def uneven(batch_size: int, m: int) -> str | None:
@@ -54,20 +60,20 @@ def uneven(batch_size: int, m: int) -> str | None:
     return None
 
 
-def measure(settings: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, Any]:
-    """Time every (schedule, m) of ``settings`` on this rank's stage; this rank's figures."""
-    torch.set_num_threads(settings["threads"])  # torchrun sets OMP_NUM_THREADS; torch's pool is ours
-    model, x, y = seeded_setup(
-        settings["model"], settings["num_classes"], settings["image_size"], settings["batch_size"], settings["seed"]
-    )
-    stage = stage_modules(model, settings["stage_blocks"])[rank].to(device).train()
+def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    """Time every (schedule, m) of one case of the settings on this rank's stage; this rank's
+    figures."""
+    model, x, y = SETUPS[case["setup"]](**case["arguments"])
+    stage = stage_modules(model, case["stage_blocks"])[rank].to(device).train()
     optimizer = sgd(stage)
     x, y = x.to(device), y.to(device)
     runs: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
-    for name in settings["schedules"]:
-        for m in settings["microbatches"]:
+    for name in case["schedules"]:
+        for m in case["microbatches"]:
             reason = uneven(len(x), m)
+            if reason is None and name not in SCHEDULES:
+                reason = f"this peer runs one stage per rank, with {', '.join(SCHEDULES)} only"
             if reason is None:
                 try:
                     schedule = SCHEDULES[name](PipelineStage(stage, rank, world, device), m, loss_fn=F.cross_entropy)
@@ -90,7 +96,7 @@ def measure(settings: dict[str, Any], rank: int, world: int, device: torch.devic
                     torch.cuda.synchronize(device)
                 dist.barrier()
 
-            seconds = timed(step, settings["warmup"], settings["steps"])
+            seconds = timed(step, case["warmup"], case["steps"])
             runs.append({"schedule": name, "microbatches": m, "step_seconds": summarize(seconds)})
     return {"runs": runs, "skipped": skipped}
 
@@ -109,10 +115,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
-    figures = measure(settings, dist.get_rank(), dist.get_world_size(), device)
+    torch.set_num_threads(settings["threads"])  # torchrun sets OMP_NUM_THREADS; torch's pool is ours
+    cases = {name: measure(case, dist.get_rank(), dist.get_world_size(), device) for name, case in settings["cases"].items()}
     if dist.get_rank() == 0:
         placed = {"backend": dist.get_backend(), "device": device.type, "world": world, "threads": settings["threads"]}
-        Path(args.result).write_text(json.dumps({**placed, **figures}))
+        Path(args.result).write_text(json.dumps({**placed, "cases": cases}))
     dist.destroy_process_group()
 
 

@@ -62,11 +62,13 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
     summary = run_cli_json(
         "bench", "pipeline", "--out", str(out), "--model", "resnet18", "--image-size", "16",
         "--global-batch-size", "8", "--microbatches", "1,2", "--steps", "1", "--warmup", "0", "--threads", "1",
+        "--overhead-microbatches", "8,1", "--overhead-steps", "2",
     )  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert summary["results"] == str(out / "results.json")
+    assert [Path(plot).name for plot in summary["plots"]] == ["step_time_bars.png", "m_curve.png", "overhead.png"]
     for plot in summary["plots"]:
-        assert Path(plot).stat().st_size > 0 and plot.endswith(".png")
+        assert Path(plot).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert_machine(results)
     assert results["settings"]["microbatches"] == [1, 2]
     local = results["one_process"]
@@ -82,6 +84,7 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
             assert len(run["busy_seconds"]) == len(run["peak_activation_bytes"]) == 2
             assert run["bubble_formula"] == 1 / (run["microbatches"] + 1)
     assert results["layouts"]["fixed"]["plan"][1]["blocks"][0] == "layer3.0"  # the seeds' split
+    assert [(s["schedule"], s["microbatches"]) for s in results["layouts"]["fixed"]["skipped"]] == [("1f1b", 1)]
     gpipe2, one_f2 = (
         next(r for r in results["layouts"]["fixed"]["runs"] if r["schedule"] == s and r["microbatches"] == 2)
         for s in ("gpipe", "1f1b")
@@ -89,7 +92,36 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
     # 1F1B's last stage holds one micro-batch where GPipe holds both.
     assert one_f2["peak_activation_bytes"][1] < gpipe2["peak_activation_bytes"][1]
     assert_native(results)
+    assert_overhead(results, summary)
     assert_figures_positive(results)
+
+
+def assert_overhead(results: dict, printed: dict) -> None:
+    """The overhead case ran the 3-layer MLP on 2 stages, ours and native at every m the schedule
+    allows, and compares them point by point and at m=8 in the summary."""
+    overhead = results["overhead"]
+    assert set(overhead) == {"model", "batch_size", "stages", "warmup", "steps", "layouts", "runs", "skipped", "native"}
+    assert (overhead["batch_size"], overhead["stages"], overhead["steps"]) == (64, 2, 2)
+    assert overhead["layouts"] == [{"virtual_stages": 1, "split_points": ["2+3"], "schedules": ["gpipe", "1f1b"]}]
+    assert overhead["native"]["backend"] in ("gloo", "nccl") and overhead["native"]["world"] == 2
+    runs = {(r["schedule"], r["microbatches"]): r for r in overhead["runs"]}
+    assert list(runs) == [("gpipe", 1), ("gpipe", 8), ("1f1b", 8)]  # m sorted; 1F1B needs m >= stages
+    skipped = [(s["side"], s["schedule"], s["microbatches"]) for s in overhead["skipped"]]
+    assert skipped == [("ours", "1f1b", 1), ("native", "1f1b", 1)]
+    keys = {"schedule", "microbatches", "virtual_stages", "ours_ms", "native_ms", "native_over_ours", "bubble_fraction", "bubble_formula"}
+    for (schedule, m), run in runs.items():
+        assert set(run) == keys and run["virtual_stages"] == 1
+        for figure in ("ours_ms", "native_ms", "bubble_fraction"):
+            assert_spread(run[figure])
+        assert 0 <= run["bubble_fraction"]["min"] and run["bubble_fraction"]["max"] < 1
+        assert run["bubble_formula"] == (2 - 1) / (m + 2 - 1)
+        ratio = run["native_over_ours"]
+        assert math.isfinite(ratio) and ratio > 0
+        assert math.isclose(ratio, run["native_ms"]["median"] / run["ours_ms"]["median"])
+    at8 = {schedule: runs[schedule, 8]["native_over_ours"] for schedule in ("gpipe", "1f1b")}
+    assert results["summary"]["overhead_native_over_ours"] == printed["overhead_native_over_ours"] == at8
+    settings = results["settings"]
+    assert settings["overhead"] is True and settings["overhead_schedules"] == ["gpipe", "1f1b"]
 
 
 def assert_native(results: dict) -> None:
@@ -144,6 +176,16 @@ def test_bench_bad_input(capsys, tmp_path):
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--split-points", "layer2,layer3"), "--split-points")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--microbatches", "1,65"), "--microbatches")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--stages", "1"), "--stages")
+    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-microbatches", "0,2"), "--overhead-microbatches")
+    assert_usage_error(
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-batch-size", "8", "--overhead-microbatches", "4,16"),
+        "--overhead-microbatches", "between 1 and --overhead-batch-size 8", "[16]",
+    )  # fmt: skip
+    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-batch-size", "0"), "--overhead-batch-size")
+    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-steps", "0"), "--overhead-steps")
+    assert_usage_error(
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-schedules", "gpipe,zigzag"), "--overhead-schedules", "zigzag"
+    )
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--num-workers", "0"), "--num-workers")
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--steps", "0"), "--steps")
     assert_usage_error(run_cli(capsys, "bench", "ddp"), "--out")
