@@ -28,8 +28,11 @@ overhead case):
   the interleaved schedules) and native (a second case in the same torchrun) over
   ``--overhead-schedules`` x ``--overhead-microbatches``, ``--overhead-steps`` timed steps after
   ``OVERHEAD_WARMUP`` untimed ones. ``results["overhead"]["runs"]`` holds per (schedule, m) ours'
-  and native milliseconds per step, ``native_over_ours`` (native median / ours; >= 1: ours is at
-  least as fast), ours' measured bubble fraction and, for GPipe and 1F1B, (p-1)/(m+p-1);
+  and native milliseconds per step, ``ours_in_ranks_ms`` (the part of ours spent inside the stage
+  actors, ``PipelineTrainer.stats``: what is left is the Ray call per step), ``native_over_ours``
+  (and ``native_over_ours_in_ranks``) (native median / ours; >= 1: ours is at
+  least as fast), ours' measured bubble fraction and, where it has one, the schedule's ideal bubble
+  (``schedule.ideal_bubble``: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved);
   ``summary.overhead_native_over_ours`` is that ratio per schedule at m=8; ``overhead.png``
   plots milliseconds per step against m.
 
@@ -46,8 +49,8 @@ Invariants:
   optimizer and (schedule, m) points; it is timed while no other stages or ranks run, and it
   uses only ``PipelineTrainer``'s public interface (constructor, ``set_schedule``,
   ``train_step``, ``stats``, ``shutdown``).
-- The measured bubble fraction (``PipelineTrainer.stats``) sits next to GPipe's formula
-  (p-1)/(m+p-1); peak activation memory per stage is the largest number of micro-batches a stage
+- The measured bubble fraction (``PipelineTrainer.stats``) sits next to the schedule's ideal
+  bubble (``schedule.ideal_bubble``); peak activation memory per stage is the largest number of micro-batches a stage
   holds under the schedule times the bytes autograd saves for one micro-batch in that stage
   (measured with ``saved_tensors_hooks`` in the driver, parameters excluded).
 """
@@ -85,13 +88,13 @@ from raytrain_mp.pipeline import (
     flatten_model,
     split_batch,
 )
-from raytrain_mp.pipeline.schedule import FORWARD
+from raytrain_mp.pipeline.schedule import FORWARD, ideal_bubble
 
 LR = 0.01  # small enough that random labels never blow the weights up (NaNs would change the timing)
 MOMENTUM = 0.9
 MLP_FEATURES, MLP_HIDDEN, MLP_CLASSES = 32, 64, 10  # the overhead case's model: compute is negligible
 OVERHEAD_WARMUP = 3  # untimed steps before each overhead figure (the native stages infer shapes in the first)
-FORMULA_SCHEDULES = ("gpipe", "1f1b")  # the schedules whose idle share is (p-1)/(m+p-1)
+FORMULA_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # the schedules with a closed-form ideal bubble
 RATIO_AT_M = 8  # summary.overhead_native_over_ours compares the schedules at this m
 
 
@@ -107,11 +110,6 @@ class Sweep:
     microbatches: tuple[int, ...]
     warmup: int
     steps: int
-
-
-def gpipe_bubble(num_stages: int, num_microbatches: int) -> float:
-    """GPipe's idle share when every op costs the same: (p-1)/(m+p-1)."""
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
 def max_in_flight(schedule: str, num_stages: int, num_microbatches: int) -> list[int]:
@@ -251,7 +249,7 @@ def one_process(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor
 
 def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, m: int, sweep: Sweep) -> dict[str, Any]:
     """Step time, busy time per stage and bubble fraction of one (schedule, m) on running stages
-    (``trainer.set_schedule`` already called); GPipe's formula for the schedules it describes."""
+    (``trainer.set_schedule`` already called); the ideal bubble of the schedules that have a formula."""
     trainer.stats(reset=True)
     per_step: list[dict[str, Any]] = []
 
@@ -269,9 +267,10 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
         "step_seconds": summarize(seconds),
         "busy_seconds": busy,
         "bubble_fraction": summarize([s["bubble_fraction"] for s in measured]),
+        "rank_step_seconds": summarize([s["rank_seconds_per_step"] for s in measured]),
     }
     if schedule in FORMULA_SCHEDULES:
-        run["bubble_formula"] = gpipe_bubble(len(busy), m)
+        run["bubble_formula"] = ideal_bubble(schedule, len(busy), m, trainer.virtual_stages)
     return run
 
 
@@ -346,7 +345,7 @@ def overhead_runs(cfg: BenchPipelineConfig) -> dict[str, Any]:
         trainer = PipelineTrainer(
             model, num_stages=cfg.stages, split_points=points, schedule=schedules[0], num_microbatches=max(cfg.overhead_microbatches),
             optimizer="sgd", lr=LR, momentum=MOMENTUM, weight_decay=0.0, use_gpu=False, cpus_per_stage=cfg.cpus_per_stage,
-            **({"virtual_stages": virtual} if virtual > 1 else {}),
+            virtual_stages=virtual,
         )  # fmt: skip
         try:
             print(f"overhead case: {len(points) + 1}-chunk MLP on {cfg.stages} stages, cut before {', '.join(points)}", flush=True)
@@ -368,7 +367,7 @@ def native_settings(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) ->
             "setup": "seeded_setup",
             "arguments": {"model_name": cfg.model, "num_classes": cfg.num_classes, "image_size": cfg.image_size,
                           "batch_size": cfg.global_batch_size, "seed": cfg.seed},
-            "stage_blocks": [list(stage["blocks"]) for stage in plan],
+            "chunk_blocks": {"1": [list(stage["blocks"]) for stage in plan]},
             **dataclasses.asdict(resnet),
         },
     }  # fmt: skip
@@ -377,7 +376,11 @@ def native_settings(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) ->
         cases["overhead"] = {
             "setup": "seeded_mlp",
             "arguments": arguments,
-            "stage_blocks": even_cut(seeded_mlp(**arguments)[0], cfg.stages)[1],
+            # per virtual-stage count (a JSON key is a string): the model's chunks in pipeline order
+            "chunk_blocks": {
+                str(virtual): even_cut(seeded_mlp(**arguments)[0], cfg.stages * virtual)[1]
+                for virtual in dict.fromkeys(virtual_stages(s) for s in cfg.overhead_schedules)
+            },
             **dataclasses.asdict(overhead_sweep(cfg)),
         }
     return {"threads": cfg.cpus_per_stage, "cases": cases}
@@ -500,7 +503,7 @@ def plot_m_curve(
 
 def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dict[str, Any]) -> dict[str, Any]:
     """``results["overhead"]``: per (schedule, m) ours ran, its milliseconds per step and measured
-    bubble fraction (with the formula for GPipe and 1F1B) and, where the native peer ran the same
+    bubble fraction (with the ideal one where there is a formula) and, where the native peer ran the same
     point, its milliseconds and ``native_over_ours`` = native / ours median (>= 1: ours is at
     least as fast); what either side skipped, with the reason."""
     runs = []
@@ -510,6 +513,7 @@ def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dic
             "microbatches": run["microbatches"],
             "virtual_stages": run["virtual_stages"],
             "ours_ms": in_ms(run["step_seconds"]),
+            "ours_in_ranks_ms": in_ms(run["rank_step_seconds"]),
             "bubble_fraction": run["bubble_fraction"],
             **({"bubble_formula": run["bubble_formula"]} if "bubble_formula" in run else {}),
         }
@@ -517,6 +521,7 @@ def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dic
         if peer is not None:
             entry["native_ms"] = in_ms(peer["step_seconds"])
             entry["native_over_ours"] = peer["step_seconds"]["median"] / run["step_seconds"]["median"]
+            entry["native_over_ours_in_ranks"] = peer["step_seconds"]["median"] / run["rank_step_seconds"]["median"]
         runs.append(entry)
     layers = mlp_layers(cfg)
     return {

@@ -6,13 +6,14 @@ seeds'-split layout's stages; ``overhead``: the tiny MLP of the overhead case), 
 seeded model and batch as ``bench.pipeline`` (the case names ``seeded_setup`` or ``seeded_mlp``
 and its arguments), take this rank's stage of the case's block names (``stage_modules``), wrap it
 in ``PipelineStage`` and time one training step (``schedule.step``, then SGD with
-``bench.pipeline``'s lr and momentum) under ``ScheduleGPipe`` and ``Schedule1F1B`` for every
-(schedule, m) of the case's sweep; rank 0 writes the figures of every case as JSON. Run as
+``bench.pipeline``'s lr and momentum) under ``ScheduleGPipe``, ``Schedule1F1B`` and, with the
+model cut into ranks x 2 chunks of which rank r holds r and r + ranks, ``ScheduleInterleaved1F1B``
+and ``ScheduleInterleavedZeroBubble``, for every (schedule, m) of the case's sweep; rank 0 writes the figures of every case as JSON. Run as
 ``python -m torch.distributed.run --standalone --nproc-per-node STAGES -m
 raytrain_mp.bench.pipeline_native --settings JSON --result PATH`` (``bench.common.torchrun``).
 
 Invariants:
-- Rank r runs stage r. Every rank builds the same weights and batch (same seed), so rank 0's
+- Rank r runs stage r (chunks r, r + ranks, ... with virtual stages, torch's interleaved layout). Every rank builds the same weights and batch (same seed), so rank 0's
   inputs and the last rank's targets are the batch our pipeline trains on.
 - The loss is cross entropy averaged over each micro-batch and the schedule divides gradients by
   m (``scale_grads=True``): the gradient of the batch mean, as our stages compute it.
@@ -22,9 +23,8 @@ Invariants:
   micro-batch of its first step (a real forward and backward, which warm-up absorbs). The model
   and optimizer state carry over, as they do across our trainer's sweep.
 - A (schedule, m) the API refuses (1F1B with m < stages) or cannot run (m not dividing the batch:
-  receive buffers are sized from one micro-batch), and a schedule this peer does not wire (the
-  interleaved ones, which put several stages on a rank), is skipped with the reason, on every rank
-  alike, so no rank waits on a peer that skipped.
+  receive buffers are sized from one micro-batch) is skipped with the reason, on every rank alike,
+  so no rank waits on a peer that skipped.
 - The cases run one after the other in one torchrun and share nothing but the process group and
   the thread count: each builds its own model, optimizer and stages.
 """
@@ -41,12 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from raytrain_mp.bench.common import summarize, timed
-from raytrain_mp.bench.pipeline import seeded_mlp, seeded_setup, sgd, stage_modules
-
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+from raytrain_mp.bench.pipeline import seeded_mlp, seeded_setup, sgd, stage_modules, virtual_stages
+from raytrain_mp.pipeline.stage import TORCH_SCHEDULES
 SETUPS = {"seeded_setup": seeded_setup, "seeded_mlp": seeded_mlp}
 
 
@@ -64,19 +64,23 @@ def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -
     """Time every (schedule, m) of one case of the settings on this rank's stage; this rank's
     figures."""
     model, x, y = SETUPS[case["setup"]](**case["arguments"])
-    stage = stage_modules(model, case["stage_blocks"])[rank].to(device).train()
-    optimizer = sgd(stage)
     x, y = x.to(device), y.to(device)
+    # per virtual-stage count: this rank's chunks (r, r + world, ...) and their optimizer
+    held = {}
+    for virtual, chunk_blocks in case["chunk_blocks"].items():
+        chunks = [chunk.to(device).train() for chunk in stage_modules(model, chunk_blocks)[rank::world]]
+        held[int(virtual)] = (chunks, sgd(nn.ModuleList(chunks)))
     runs: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     for name in case["schedules"]:
+        virtual = virtual_stages(name)
+        chunks, optimizer = held[virtual]
         for m in case["microbatches"]:
             reason = uneven(len(x), m)
-            if reason is None and name not in SCHEDULES:
-                reason = f"this peer runs one stage per rank, with {', '.join(SCHEDULES)} only"
             if reason is None:
+                stages = [PipelineStage(chunk, rank + v * world, world * virtual, device) for v, chunk in enumerate(chunks)]
                 try:
-                    schedule = SCHEDULES[name](PipelineStage(stage, rank, world, device), m, loss_fn=F.cross_entropy)
+                    schedule = TORCH_SCHEDULES[name](stages if virtual > 1 else stages[0], m, loss_fn=F.cross_entropy)
                 except ValueError as exc:  # the schedule's own check, e.g. 1F1B with m < stages
                     reason = " ".join(str(exc).split())
             if reason is not None:

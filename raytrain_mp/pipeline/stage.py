@@ -308,10 +308,12 @@ class StageWorker:
         inputs: Tensor | None,
         targets: Tensor | None,
         max_norm: float | None = None,
-    ) -> tuple[float | None, float]:
+    ) -> tuple[float | None, float, float]:
         """One optimizer step: the schedule's forwards and backwards over the batch, clipping, the
         update. Rank 0 gets ``inputs``, the last rank ``targets`` (None elsewhere). Returns (the batch
-        mean loss on the last rank, else None; the seconds this rank computed)."""
+        mean loss on the last rank, else None; the seconds this rank computed; the seconds this
+        call took, computing and waiting for its peers)."""
+        called = time.perf_counter()
         key = (schedule, num_microbatches, tuple(microbatch_shape))
         if key != self._schedule_key:
             probe = inputs[: microbatch_shape[0]] if self.holds_first else None
@@ -338,7 +340,8 @@ class StageWorker:
         busy = sum(stage.busy for stage in self._stages) + time.perf_counter() - start
         for stage in self._stages:
             stage.busy = 0.0
-        return (float(sum(loss.item() for loss in losses)) if self.holds_last else None), busy
+        loss = float(sum(loss.item() for loss in losses)) if self.holds_last else None
+        return loss, busy, time.perf_counter() - called
 
     def _clip(self, max_norm: float) -> None:
         """Scale the gradients as ``clip_grad_norm_`` would over the parameters of every rank."""

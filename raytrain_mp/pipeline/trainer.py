@@ -359,7 +359,7 @@ class PipelineTrainer:
             for rank in range(self.num_stages)
         ]  # fmt: skip
         results = self._gather(refs, step)
-        self._record(time.perf_counter() - start, [busy for _, busy in results])
+        self._record(time.perf_counter() - start, [busy for _, busy, _ in results], max(took for *_, took in results))
         self.steps_done = step
         return results[last][0]
 
@@ -375,11 +375,13 @@ class PipelineTrainer:
 
     def _reset_stats(self) -> None:
         self._wall = 0.0
+        self._in_ranks = 0.0
         self._steps = 0
         self._busy = [0.0] * self.num_stages
 
-    def _record(self, wall: float, busy: Sequence[float]) -> None:
+    def _record(self, wall: float, busy: Sequence[float], in_ranks: float) -> None:
         self._wall += wall
+        self._in_ranks += in_ranks
         self._steps += 1
         self._busy = [total + seconds for total, seconds in zip(self._busy, busy)]
 
@@ -389,12 +391,15 @@ class PipelineTrainer:
         ``busy_seconds[s]``: seconds stage s computed (forwards, backwards, optimizer step).
         ``bubble_fraction``: ``1 - sum(busy) / (num_stages * wall_seconds)``, the share of the
         stages' time spent waiting — pipeline fill and drain, transfers, Ray and driver overhead.
+        ``rank_seconds_per_step``: the longest time a rank's step call took inside the rank, what a
+        torchrun script would time; ``seconds_per_step`` minus this is the Ray call's cost.
         """
         wall = self._wall
         stats = {
             "steps": self._steps,
             "wall_seconds": wall,
             "seconds_per_step": wall / self._steps if self._steps else 0.0,
+            "rank_seconds_per_step": self._in_ranks / self._steps if self._steps else 0.0,
             "busy_seconds": list(self._busy),
             "bubble_fraction": 1 - sum(self._busy) / (self.num_stages * wall) if wall > 0 else 0.0,
         }

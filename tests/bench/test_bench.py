@@ -62,7 +62,7 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
     summary = run_cli_json(
         "bench", "pipeline", "--out", str(out), "--model", "resnet18", "--image-size", "16",
         "--global-batch-size", "8", "--microbatches", "1,2", "--steps", "1", "--warmup", "0", "--threads", "1",
-        "--overhead-microbatches", "8,1", "--overhead-steps", "2",
+        "--overhead-microbatches", "8,1", "--overhead-steps", "2", "--overhead-schedules", "gpipe,1f1b,interleaved-1f1b",
     )  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert summary["results"] == str(out / "results.json")
@@ -102,26 +102,34 @@ def assert_overhead(results: dict, printed: dict) -> None:
     overhead = results["overhead"]
     assert set(overhead) == {"model", "batch_size", "stages", "warmup", "steps", "layouts", "runs", "skipped", "native"}
     assert (overhead["batch_size"], overhead["stages"], overhead["steps"]) == (64, 2, 2)
-    assert overhead["layouts"] == [{"virtual_stages": 1, "split_points": ["2+3"], "schedules": ["gpipe", "1f1b"]}]
+    # 4 Linear layers, so that 2 stages x 2 virtual stages get one each
+    assert overhead["layouts"] == [
+        {"virtual_stages": 1, "split_points": ["4+5"], "schedules": ["gpipe", "1f1b"]},
+        {"virtual_stages": 2, "split_points": ["2+3", "4+5", "6"], "schedules": ["interleaved-1f1b"]},
+    ]
     assert overhead["native"]["backend"] in ("gloo", "nccl") and overhead["native"]["world"] == 2
     runs = {(r["schedule"], r["microbatches"]): r for r in overhead["runs"]}
-    assert list(runs) == [("gpipe", 1), ("gpipe", 8), ("1f1b", 8)]  # m sorted; 1F1B needs m >= stages
+    # m sorted; 1F1B needs m >= stages
+    assert list(runs) == [("gpipe", 1), ("gpipe", 8), ("1f1b", 8), ("interleaved-1f1b", 1), ("interleaved-1f1b", 8)]
     skipped = [(s["side"], s["schedule"], s["microbatches"]) for s in overhead["skipped"]]
     assert skipped == [("ours", "1f1b", 1), ("native", "1f1b", 1)]
-    keys = {"schedule", "microbatches", "virtual_stages", "ours_ms", "native_ms", "native_over_ours", "bubble_fraction", "bubble_formula"}
+    keys = {"schedule", "microbatches", "virtual_stages", "ours_ms", "ours_in_ranks_ms", "native_ms", "native_over_ours",
+            "native_over_ours_in_ranks", "bubble_fraction", "bubble_formula"}  # fmt: skip
     for (schedule, m), run in runs.items():
-        assert set(run) == keys and run["virtual_stages"] == 1
-        for figure in ("ours_ms", "native_ms", "bubble_fraction"):
+        virtual = 2 if schedule.startswith("interleaved") else 1
+        assert set(run) == keys and run["virtual_stages"] == virtual
+        for figure in ("ours_ms", "ours_in_ranks_ms", "native_ms", "bubble_fraction"):
             assert_spread(run[figure])
+        assert run["ours_in_ranks_ms"]["median"] <= run["ours_ms"]["median"]  # the rank's part of the call
         assert 0 <= run["bubble_fraction"]["min"] and run["bubble_fraction"]["max"] < 1
-        assert run["bubble_formula"] == (2 - 1) / (m + 2 - 1)
-        ratio = run["native_over_ours"]
-        assert math.isfinite(ratio) and ratio > 0
-        assert math.isclose(ratio, run["native_ms"]["median"] / run["ours_ms"]["median"])
-    at8 = {schedule: runs[schedule, 8]["native_over_ours"] for schedule in ("gpipe", "1f1b")}
+        assert run["bubble_formula"] == (2 - 1) / (virtual * m + 2 - 1)
+        for ratio, ours in (("native_over_ours", "ours_ms"), ("native_over_ours_in_ranks", "ours_in_ranks_ms")):
+            assert math.isfinite(run[ratio]) and run[ratio] > 0
+            assert math.isclose(run[ratio], run["native_ms"]["median"] / run[ours]["median"])
+    at8 = {schedule: runs[schedule, 8]["native_over_ours"] for schedule in ("gpipe", "1f1b", "interleaved-1f1b")}
     assert results["summary"]["overhead_native_over_ours"] == printed["overhead_native_over_ours"] == at8
     settings = results["settings"]
-    assert settings["overhead"] is True and settings["overhead_schedules"] == ["gpipe", "1f1b"]
+    assert settings["overhead"] is True and settings["overhead_schedules"] == ["gpipe", "1f1b", "interleaved-1f1b"]
 
 
 def assert_native(results: dict) -> None:
