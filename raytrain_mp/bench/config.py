@@ -78,6 +78,7 @@ class BenchPipelineConfig:
     )
     split_points: tuple[str, ...] = option(SEEDS_SPLIT, "the fixed split: cut before these modules (the seeds' split)")
     balanced: bool = option(True, "also run time-balanced stages (GPipe only)")
+    interleaved: bool = option(True, "also run time-balanced stages, 2 per actor, with interleaved 1F1B")
     balance_microbatches: int = option(4, "balanced stages are profiled on a micro-batch of global-batch-size / this")
     steps: int = option(3, "timed steps per figure")
     warmup: int = option(1, "untimed steps before each figure")
@@ -86,7 +87,7 @@ class BenchPipelineConfig:
     overhead_batch_size: int = option(64, "overhead case: samples per step of the MLP", group="benchmark")
     overhead_microbatches: tuple[int, ...] = option((2, 4, 8, 16), "overhead case: the m values to sweep", group="benchmark")
     overhead_schedules: tuple[str, ...] = option(
-        ("gpipe", "1f1b"), f"overhead case: schedules to sweep, of {', '.join(SCHEDULES)}", group="benchmark"
+        SCHEDULES, f"overhead case: schedules to sweep (interleaved ones with 2 stages per actor), of {', '.join(SCHEDULES)}", group="benchmark"
     )
     overhead_steps: int = option(20, "overhead case: timed steps per figure (after a few untimed ones)", group="benchmark")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")

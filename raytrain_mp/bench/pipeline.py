@@ -12,7 +12,8 @@ overhead case):
   overlapping stages;
 - ``PipelineTrainer`` with the seeds' fixed split (``--split-points``, default before ``layer3``),
   GPipe and 1F1B over m=1 and every m of ``--microbatches``, and with time-balanced stages
-  (``--balanced``), GPipe over ``--microbatches`` only; GPipe with m=1 on the seeds' split is naive
+  (``--balanced``), GPipe over ``--microbatches`` only, and time-balanced ``INTERLEAVED_VIRTUAL``
+  stages per actor (``--interleaved``), interleaved 1F1B over ``--microbatches``; GPipe with m=1 on the seeds' split is naive
   model parallelism (the seeds' ``ModelParallelResNet50``);
 - the native peer: ``bench.pipeline_native`` under torchrun, one rank per stage with
   ``--cpus-per-stage`` threads (gloo on CPU, NCCL with a GPU per rank), the seeds'-split stages
@@ -93,6 +94,7 @@ from raytrain_mp.pipeline.schedule import FORWARD, ideal_bubble
 LR = 0.01  # small enough that random labels never blow the weights up (NaNs would change the timing)
 MOMENTUM = 0.9
 MLP_FEATURES, MLP_HIDDEN, MLP_CLASSES = 32, 64, 10  # the overhead case's model: compute is negligible
+INTERLEAVED_VIRTUAL = 2  # stages per actor of the interleaved layouts
 OVERHEAD_WARMUP = 3  # untimed steps before each overhead figure (the native stages infer shapes in the first)
 FORMULA_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # the schedules with a closed-form ideal bubble
 RATIO_AT_M = 8  # summary.overhead_native_over_ours compares the schedules at this m
@@ -298,17 +300,20 @@ def layout_runs(
     split_points: Sequence[str] | None,
     microbatches: Sequence[int],
     schedules: Sequence[str] = ("gpipe", "1f1b"),
+    virtual: int = 1,
 ) -> dict[str, Any]:
     """Every (schedule, m) of ``schedules`` on one partition: the given split points, or
-    time-balanced stages; the (schedule, m) the schedule refuses under ``skipped``."""
+    time-balanced stages (``virtual`` per stage actor); the (schedule, m) the schedule refuses under
+    ``skipped``. Activation memory is modelled for the one-stage-per-actor schedules only."""
     partition: dict[str, Any] = (
         {"split_points": list(split_points)}
         if split_points is not None
         else {"balance": "time", "sample_input": x, "num_microbatches": cfg.balance_microbatches}
     )
     with PipelineTrainer(
-        model, cfg.stages, lr=LR, momentum=MOMENTUM, weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage, **partition
-    ) as trainer:
+        model, cfg.stages, lr=LR, momentum=MOMENTUM, weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage,
+        schedule=schedules[0], virtual_stages=virtual, **partition,
+    ) as trainer:  # fmt: skip
         plan = [dataclasses.asdict(stage) for stage in trainer.plan]
         print("stages: " + " | ".join(f"{p['blocks'][0]}..{p['blocks'][-1]}" for p in plan), flush=True)
         runs, skipped = sweep_runs(trainer, x, y, Sweep("", "s", tuple(schedules), tuple(microbatches), cfg.warmup, cfg.steps))
@@ -317,12 +322,14 @@ def layout_runs(
     per_microbatch: dict[int, list[int]] = {}  # m -> bytes per stage of micro-batch 0, the largest
     for run in runs:
         m = run["microbatches"]
+        run["samples_per_second"] = cfg.global_batch_size / run["step_seconds"]["median"]
+        if virtual > 1:
+            continue
         if m not in per_microbatch:
             first = split_batch(x, y, m)[0]
             per_microbatch[m] = saved_activation_bytes(stages, first.inputs, first.targets)
         held = max_in_flight(run["schedule"], cfg.stages, m)
         run["peak_activation_bytes"] = [count * size for count, size in zip(held, per_microbatch[m])]
-        run["samples_per_second"] = cfg.global_batch_size / run["step_seconds"]["median"]
     return {"plan": plan, "runs": runs, "skipped": skipped}
 
 
@@ -456,6 +463,10 @@ def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: d
         at8 = find_run(layouts["balanced"], "gpipe", 8)
         if at8 is not None:
             result["balanced_gpipe_m8_bubble_gap"] = abs(at8["bubble_fraction"]["median"] - at8["bubble_formula"])
+    if "interleaved" in layouts:
+        at8 = find_run(layouts["interleaved"], "interleaved-1f1b", 8)
+        if at8 is not None:
+            result["interleaved_1f1b_m8_bubble"] = {"measured": at8["bubble_fraction"]["median"], "formula": at8["bubble_formula"]}
     return result
 
 
@@ -493,7 +504,7 @@ def plot_m_curve(
 
     curves = {"one process, grad accum": (points([local["whole_batch"], *local["grad_accum"]]), "-")}
     for name, layout in layouts.items():
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in dict.fromkeys(r["schedule"] for r in layout["runs"]):
             curves[f"{schedule}, {name} split"] = (points([r for r in layout["runs"] if r["schedule"] == schedule]), "-")
     for schedule in ("gpipe", "1f1b"):
         curves[f"torch {schedule}, {native['split']} split"] = (points([r for r in native["runs"] if r["schedule"] == schedule]), "--")
@@ -570,6 +581,10 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     native, native_overhead = native_runs(cfg, layouts["fixed"]["plan"])
     if cfg.balanced:
         layouts["balanced"] = layout_runs(cfg, model, x, y, None, sorted(cfg.microbatches), schedules=("gpipe",))
+    if cfg.interleaved:
+        layouts["interleaved"] = layout_runs(
+            cfg, model, x, y, None, sorted(cfg.microbatches), schedules=("interleaved-1f1b",), virtual=INTERLEAVED_VIRTUAL
+        )
 
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
