@@ -79,7 +79,7 @@ class BenchPipelineConfig:
     split_points: tuple[str, ...] = option(SEEDS_SPLIT, "the fixed split: cut before these modules (the seeds' split)")
     balanced: bool = option(True, "also run time-balanced stages (GPipe only)")
     interleaved: bool = option(True, "also run time-balanced stages, 2 per actor, with interleaved 1F1B")
-    balance_microbatches: int = option(4, "balanced stages are profiled on a micro-batch of global-batch-size / this")
+    balance_microbatches: int = option(8, "balanced stages are profiled on a micro-batch of global-batch-size / this")
     steps: int = option(3, "timed steps per figure")
     warmup: int = option(1, "untimed steps before each figure")
     seed: int = option(0, "seed of the model and the random batch")

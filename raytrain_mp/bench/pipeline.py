@@ -51,7 +51,9 @@ Invariants:
   uses only ``PipelineTrainer``'s public interface (constructor, ``set_schedule``,
   ``train_step``, ``stats``, ``shutdown``).
 - The measured bubble fraction (``PipelineTrainer.stats``) sits next to the schedule's ideal
-  bubble (``schedule.ideal_bubble``); peak activation memory per stage is the largest number of micro-batches a stage
+  bubble (``schedule.ideal_bubble``) and, for GPipe and 1F1B, the bubble a perfect runtime would
+  show with the measured stage times (``schedule.bubble_for_stage_times``: the stages are rarely
+  equal on a CPU, where per-sample cost depends on the micro-batch size); peak activation memory per stage is the largest number of micro-batches a stage
   holds under the schedule times the bytes autograd saves for one micro-batch in that stage
   (measured with ``saved_tensors_hooks`` in the driver, parameters excluded).
 """
@@ -89,7 +91,7 @@ from raytrain_mp.pipeline import (
     flatten_model,
     split_batch,
 )
-from raytrain_mp.pipeline.schedule import FORWARD, ideal_bubble
+from raytrain_mp.pipeline.schedule import FLAT_SCHEDULES, FORWARD, bubble_for_stage_times, ideal_bubble
 
 LR = 0.01  # small enough that random labels never blow the weights up (NaNs would change the timing)
 MOMENTUM = 0.9
@@ -273,6 +275,8 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
     }
     if schedule in FORMULA_SCHEDULES:
         run["bubble_formula"] = ideal_bubble(schedule, len(busy), m, trainer.virtual_stages)
+    if schedule in FLAT_SCHEDULES:
+        run["bubble_for_stage_times"] = bubble_for_stage_times([b["median"] for b in busy], m)
     return run
 
 
@@ -463,6 +467,8 @@ def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: d
         at8 = find_run(layouts["balanced"], "gpipe", 8)
         if at8 is not None:
             result["balanced_gpipe_m8_bubble_gap"] = abs(at8["bubble_fraction"]["median"] - at8["bubble_formula"])
+            # what the runtime adds beyond the stages' own imbalance
+            result["balanced_gpipe_m8_bubble_over_stage_times"] = at8["bubble_fraction"]["median"] - at8["bubble_for_stage_times"]
     if "interleaved" in layouts:
         at8 = find_run(layouts["interleaved"], "interleaved-1f1b", 8)
         if at8 is not None:

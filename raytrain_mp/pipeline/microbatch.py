@@ -1,15 +1,16 @@
-"""Split a mini-batch into micro-batches for the pipeline.
+"""Split a mini-batch into micro-batches the way the pipeline does, for references and checks.
 
 Job: cut inputs and targets along the batch dimension into ``m`` micro-batches and give each its
-share of the batch. Pure torch.
+share of the batch, as torch's pipeline runtime cuts them (``torch.tensor_split``), so that
+single-process references (gradient accumulation) and the benchmark's memory model see the same
+micro-batches the stages do; and check that a batch can be cut at all. Pure torch.
 
 Invariants:
 - Sizes follow ``torch.tensor_split``: the first ``B % m`` micro-batches hold ``B // m + 1``
   samples, the rest ``B // m`` (10 samples, m=4: 3, 3, 2, 2); concatenated they are the batch.
 - ``weight`` is the micro-batch's share of the batch, so the weighted sum of per-micro-batch
   mean losses is the batch mean loss and accumulated gradients equal the full-batch gradient.
-- Each micro-batch owns its memory (a copy, not a view), so serializing it to a stage sends only
-  its own samples.
+- Each micro-batch owns its memory (a copy, not a view).
 """
 
 from __future__ import annotations

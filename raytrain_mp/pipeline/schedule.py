@@ -3,7 +3,7 @@
 Job: the pure side of the schedules. ``SCHEDULES`` names what ``PipelineTrainer`` runs (the runtime
 is ``torch.distributed.pipelining``'s, see ``stage``); ``check_schedule`` refuses, before any actor
 starts, what torch's schedules would refuse at run time; ``ideal_bubble`` is a schedule's bubble
-when every op costs the same; and ``gpipe``/``one_f_one_b`` spell out, per stage, the op order that
+when every op costs the same, ``bubble_for_stage_times`` GPipe's when the stages differ; and ``gpipe``/``one_f_one_b`` spell out, per stage, the op order that
 torch's ``ScheduleGPipe`` and ``Schedule1F1B`` follow, which is what the benchmark's memory model and
 these tests reason about. No Ray, no torch.
 
@@ -37,6 +37,8 @@ Invariants (tested exhaustively for 1-8 stages and 1-16 micro-batches):
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from raytrain_mp.errors import UsageError
 
@@ -173,3 +175,15 @@ def format_ticks(ticks: list[list[tuple[int, Op]]], num_stages: int) -> str:
         cells = {t: f"{kind}{j}" for t, tick in enumerate(ticks) for s, (kind, j) in tick if s == stage}
         rows.append(f"s{stage:<4}" + "".join(f"{cells.get(t, ''):>3}" for t in range(len(ticks))))
     return "\n".join(row.rstrip() for row in rows)
+
+
+def bubble_for_stage_times(busy_seconds: Sequence[float], num_microbatches: int) -> float:
+    """GPipe's idle share when stage s computes ``busy_seconds[s]`` per step (forward and backward
+    in the same proportion) and communication is free: the step takes one micro-batch through
+    every stage plus m - 1 micro-batches of the slowest, sum(t)/m + (m-1)/m * max(t). Equal stages
+    give ``ideal_bubble``; measured busy times give what a perfect runtime would show with these
+    stages, so the measured bubble minus this is the runtime's own cost. 1F1B fills and drains
+    the same way, so it holds for 1F1B to first order."""
+    m = num_microbatches
+    step = sum(busy_seconds) / m + (m - 1) / m * max(busy_seconds)
+    return 1 - sum(busy_seconds) / (len(busy_seconds) * step)

@@ -151,3 +151,11 @@ def test_ideal_bubbles() -> None:
     assert sched.ideal_bubble("interleaved-1f1b", 2, 8, 2) == pytest.approx(1 / 17)  # v times smaller, about
     with pytest.raises(UsageError, match="no closed-form bubble for 'interleaved-zb'"):
         sched.ideal_bubble("interleaved-zb", 2, 8, 2)
+
+
+def test_bubble_for_stage_times() -> None:
+    for stages in range(1, 5):
+        for m in (1, 4, 8):
+            assert sched.bubble_for_stage_times([2.0] * stages, m) == pytest.approx(sched.ideal_bubble("gpipe", stages, m))
+    # one slow stage: 8 micro-batches take 1/8 + 2/8 + 7/8 * 2 = 2.125 s; busy 3 of 2 * 2.125
+    assert sched.bubble_for_stage_times([1.0, 2.0], 8) == pytest.approx(1 - 3 / 4.25)
