@@ -110,23 +110,24 @@ def pyplot() -> Any:
     return plt
 
 
+def _medians_and_whiskers(figures: Sequence[dict[str, float]]) -> tuple[list[float], list[list[float]]]:
+    """The medians, and the distances down to the minima and up to the maxima (matplotlib's yerr)."""
+    medians = [f["median"] for f in figures]
+    return medians, [[m - f["min"] for m, f in zip(medians, figures)], [f["max"] - m for m, f in zip(medians, figures)]]
+
+
 def bar_chart(
     path: Path, labels: Sequence[str], figures: Sequence[dict[str, float]], ylabel: str, title: str
 ) -> None:
     """Bars of the medians with min-max whiskers, each bar labelled with its median."""
     plt = pyplot()
-    medians = [f["median"] for f in figures]
-    whiskers = [[m - f["min"] for m, f in zip(medians, figures)], [f["max"] - m for m, f in zip(medians, figures)]]
+    medians, whiskers = _medians_and_whiskers(figures)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(labels)), 4.5))
     bars = ax.bar(range(len(labels)), medians, yerr=whiskers, capsize=6, color="#4C72B0")
     ax.bar_label(bars, labels=[f"{m:.3g}" for m in medians], padding=3)
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
     ax.margins(y=0.15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, ax, path, ylabel, title)
 
 
 def curve_chart(
@@ -144,16 +145,19 @@ def curve_chart(
     for label, (points, style) in curves.items():
         if not points:
             continue
-        xs = [x for x, _ in points]
-        med = [f["median"] for _, f in points]
-        err = [[m - f["min"] for m, (_, f) in zip(med, points)], [f["max"] - m for m, (_, f) in zip(med, points)]]
-        ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, linestyle=style, label=label)
+        med, err = _medians_and_whiskers([f for _, f in points])
+        ax.errorbar([x for x, _ in points], med, yerr=err, marker="o", capsize=3, linestyle=style, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(xticks), [str(x) for x in xticks])
     ax.set_xlabel(xlabel)
+    ax.legend(fontsize=8)
+    _save(fig, ax, path, ylabel, title)
+
+
+def _save(fig: Any, ax: Any, path: Path, ylabel: str, title: str) -> None:
+    """Label the y axis, title the chart, write it as a PNG and free the figure."""
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    pyplot().close(fig)
