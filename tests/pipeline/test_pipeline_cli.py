@@ -60,7 +60,7 @@ def fp64_runs(ray_session, tiny_data, tmp_path_factory):
     storage = str(tmp_path_factory.mktemp("pruns"))
     marker = tmp_path_factory.mktemp("pfault") / "killed"
     args = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
-            "--microbatches", "3", "--schedule", "1f1b", "--epochs", "2", "--precision", "fp64",
+            "--microbatches", "4", "--schedule", "1f1b", "--epochs", "2", "--precision", "fp64",
             "--balance", "params", "--storage-path", storage, "--log-every", "0"]  # fmt: skip
     plain = run_cli_json(*args, "--name", "plain")
     killed = run_cli_json(*args, "--name", "killed", "--max-failures", "1", "--inject-fault", f"1:1:{marker}")
@@ -83,7 +83,7 @@ def test_summary_and_model_pt(fp64_runs):
     plain, _, _ = fp64_runs
     for key in ("val_accuracy", "train_loss", "samples_per_second", "bubble_fraction"):
         assert isinstance(plain[key], float) and plain[key] >= 0
-    assert (plain["num_stages"], plain["num_microbatches"], plain["schedule"]) == (2, 3, "1f1b")
+    assert (plain["num_stages"], plain["num_microbatches"], plain["schedule"]) == (2, 4, "1f1b")
     assert plain["val_count"] == 40
     assert [s["index"] for s in plain["stages"]] == [0, 1]
     model = build_model("resnet18", 4, in_channels=1, small_stem=True)
@@ -120,14 +120,16 @@ def test_resume_keeps_the_saved_split_and_refuses_another(fp64_runs, tiny_data, 
     other = "layer2" if saved != ["layer2.0"] else "layer3"
     storage = tmp_path / "runs"
     shutil.copytree(Path(plain["run"]), storage / "copy")
-    base = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32", "--microbatches", "3",
+    base = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32", "--microbatches", "4",
             "--precision", "fp64", "--storage-path", str(storage), "--name", "copy", "--epochs", "3", "--log-every", "0"]  # fmt: skip
     checkpoint = storage / "copy" / "checkpoint_000002"
     where = f"{checkpoint} was trained with 2 stages cut before {','.join(saved)}"
     res = run_cli(capsys, *base, "--split-points", other)
     assert_usage_error(res, f"--split-points: {where}, not {other}; accepted: --split-points {','.join(saved)}")
     res = run_cli(capsys, *base, "--stages", "3")
-    assert_usage_error(res, f"--stages: {where}, not 3; accepted: --stages 2")
+    assert_usage_error(
+        res, f"--stages: {where}, not 3 (--stages 3 x --virtual-stages 1); accepted: --stages and --virtual-stages whose product is 2"
+    )
     assert sorted(p.name for p in (storage / "copy").glob("checkpoint_*")) == ["checkpoint_000001", "checkpoint_000002"]
     # --balance time would profile and cut anew; the resumed run keeps the checkpoint's cut instead.
     resumed = run_cli_json(*base, "--balance", "time")
