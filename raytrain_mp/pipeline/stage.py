@@ -61,6 +61,7 @@ from raytrain_mp.optim import OPTIMIZERS, build_optimizer
 from raytrain_mp.pipeline.blocks import Block
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
 from raytrain_mp.pipeline.partition import profile_blocks
+from raytrain_mp.pipeline.schedule import INTERLEAVED_SCHEDULES
 
 TORCH_SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -181,6 +182,7 @@ class StageWorker:
         self.holds_first = config.rank == 0
         self.holds_last = config.rank == config.num_ranks - 1
         self._store: dist.TCPStore | None = None
+        self._stages: list[_TimedStage] = []
         self._schedule: Any = None
         self._schedule_key: tuple | None = None
         self._loss_scale = 1.0
@@ -237,11 +239,11 @@ class StageWorker:
         return x
 
     @torch.no_grad()
-    def _forward_chain(self, chunks: Sequence[Tensor] | int, record: bool = False) -> list[Tensor]:
+    def _forward_chain(self, chunks: Sequence[Tensor] | int) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
         """Eval forward of each chunk through this rank's stages, receiving from and sending to the
-        neighbouring ranks; the last rank returns the outputs. ``chunks``: the inputs on rank 0, their
-        number elsewhere. With ``record``, the first chunk's input and output of each local stage
-        are kept as ``self._shapes`` (the stages' static shapes)."""
+        neighbouring ranks. ``chunks``: the inputs on rank 0, their number elsewhere. Returns the
+        outputs (on the last rank; none elsewhere) and, per local stage, the first chunk's input and
+        output (the stages' static shapes)."""
         last_stage = self.config.num_stages - 1
         count = chunks if isinstance(chunks, int) else len(chunks)
         outputs, shapes = [], []
@@ -254,7 +256,7 @@ class StageWorker:
                     x = self._first_input(chunks[c]) if index == 0 else self._recv(self._previous_rank(local))
                     with self._autocast():
                         y = module(x)
-                    if record and c == 0:
+                    if c == 0:
                         shapes.append((x, y))
                     if index == last_stage:
                         outputs.append(y.to(self.dtype).cpu())
@@ -263,9 +265,7 @@ class StageWorker:
         finally:
             for module in self.modules:
                 module.train()
-        if record:
-            self._shapes = shapes
-        return outputs
+        return outputs, shapes
 
     def _first_input(self, x: Tensor) -> Tensor:
         # Only the data needs casting: later stages receive what the previous stage computed (bf16
@@ -282,10 +282,11 @@ class StageWorker:
         return F.cross_entropy(output.to(self.dtype), targets, reduction="sum") * self._loss_scale
 
     def _build_schedule(self, name: str, num_microbatches: int, probe: Tensor | None) -> Any:
-        """Torch's schedule over this rank's stages, with static shapes from one probe micro-batch."""
-        self._forward_chain([probe] if self.holds_first else 1, record=True)
+        """Torch's schedule over this rank's stages (a list for the interleaved ones), with static
+        shapes from one probe micro-batch."""
+        _, shapes = self._forward_chain([probe] if self.holds_first else 1)
         stages = []
-        for local, (module, (x, y)) in enumerate(zip(self.modules, self._shapes)):
+        for local, (module, (x, y)) in enumerate(zip(self.modules, shapes)):
             wrapped = _Autocast(module, self.device.type) if self.config.autocast_bf16 else module
             index = self.config.stage_index(local)
             # The metadata says which tensors carry gradients: every stage's input but the data's.
@@ -295,10 +296,9 @@ class StageWorker:
                     input_args=torch.empty_like(x).requires_grad_(index > 0), output_args=torch.empty_like(y).requires_grad_(),
                 )  # fmt: skip
             )
-        schedule_class = TORCH_SCHEDULES[name]
-        first = stages if name.startswith("interleaved") else stages[0]
         self._stages = stages
-        return schedule_class(first, num_microbatches, loss_fn=self._loss, scale_grads=False)
+        ours = stages if name in INTERLEAVED_SCHEDULES else stages[0]
+        return TORCH_SCHEDULES[name](ours, num_microbatches, loss_fn=self._loss, scale_grads=False)
 
     def train_step(
         self,
@@ -359,7 +359,7 @@ class StageWorker:
         """Eval-mode outputs (logits) of the batch in ``num_chunks`` micro-batches: on the last rank;
         None elsewhere. Rank 0 gets ``inputs``."""
         chunks = inputs.tensor_split(num_chunks) if self.holds_first else num_chunks
-        outputs = self._forward_chain(chunks)
+        outputs, _ = self._forward_chain(chunks)
         return torch.cat(outputs) if self.holds_last else None
 
     # -- state ---------------------------------------------------------------------------------------
