@@ -15,7 +15,8 @@ Reads top to bottom like the DDP loop, but on the driver: data, model, restore, 
 - The stage split is part of the run: checkpoints record it (``train_state["split_points"]``, the
   first block of every stage but the first), and a resume, rerun or restart cuts the model there
   instead of balancing again, since each stage's optimizer state fits only its own parameters. A
-  different ``--split-points`` or ``--stages`` on resume is one error line, before Ray starts.
+  different ``--split-points``, ``--stages`` or ``--virtual-stages`` on resume is one error line,
+  before Ray starts (the checkpoint's optimizer states say how many stage actors trained it).
 - A rerun of a finished run (``result.json`` beside the checkpoints) prints its summary and starts
   nothing (``cli``).
 """
@@ -85,21 +86,25 @@ def with_saved_split(cfg: PipelineConfig, names: list[str]) -> PipelineConfig:
     resume = resume_point(cfg)
     if resume is None:
         return cfg
-    saved = load_train_state(resume).get("split_points")
+    train_state = load_train_state(resume)
+    saved = train_state.get("split_points")
     if saved is None:  # a checkpoint from before splits were recorded: balance again
         return cfg
     where = f"{resume.uri} was trained with {len(saved) + 1} stages cut before {','.join(saved) or '(nothing)'}"
     parts = cfg.stages * cfg.virtual_stages
+    actors = len(train_state["optimizer"])  # one optimizer state per stage actor
     same_cut = cfg.split_points is None or split_bounds(names, cfg.split_points, parts) == split_bounds(names, saved, len(saved) + 1)
     if not same_cut:
         raise UsageError(
             f"--split-points: {where}, not {','.join(cfg.split_points)}; "
             f"accepted: --split-points {','.join(saved)} (or none), or a new --name to start over"
         )
-    if parts != len(saved) + 1:
+    if (cfg.stages, parts) != (actors, len(saved) + 1):
+        virtual = (len(saved) + 1) // actors
         raise UsageError(
-            f"--stages: {where}, not {parts} (--stages {cfg.stages} x --virtual-stages {cfg.virtual_stages}); "
-            f"accepted: --stages and --virtual-stages whose product is {len(saved) + 1}, or a new --name to start over"
+            f"--stages: {where} on {actors} stage actors x {virtual} virtual stages, not --stages {cfg.stages} x "
+            f"--virtual-stages {cfg.virtual_stages}; accepted: --stages {actors} --virtual-stages {virtual}, "
+            "or a new --name to start over"
         )
     return dataclasses.replace(cfg, split_points=saved)
 

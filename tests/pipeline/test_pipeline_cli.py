@@ -126,10 +126,12 @@ def test_resume_keeps_the_saved_split_and_refuses_another(fp64_runs, tiny_data, 
     where = f"{checkpoint} was trained with 2 stages cut before {','.join(saved)}"
     res = run_cli(capsys, *base, "--split-points", other)
     assert_usage_error(res, f"--split-points: {where}, not {other}; accepted: --split-points {','.join(saved)}")
-    res = run_cli(capsys, *base, "--stages", "3")
-    assert_usage_error(
-        res, f"--stages: {where}, not 3 (--stages 3 x --virtual-stages 1); accepted: --stages and --virtual-stages whose product is 2"
-    )
+    for other_layout in (["--stages", "3"], ["--stages", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"]):
+        res = run_cli(capsys, *base, *other_layout)
+        asked = f"--stages {other_layout[1]} x --virtual-stages {other_layout[-1] if len(other_layout) > 2 else 1}"
+        assert_usage_error(
+            res, f"--stages: {where} on 2 stage actors x 1 virtual stages, not {asked}; accepted: --stages 2 --virtual-stages 1"
+        )
     assert sorted(p.name for p in (storage / "copy").glob("checkpoint_*")) == ["checkpoint_000001", "checkpoint_000002"]
     # --balance time would profile and cut anew; the resumed run keeps the checkpoint's cut instead.
     resumed = run_cli_json(*base, "--balance", "time")
