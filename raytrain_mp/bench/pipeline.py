@@ -91,7 +91,13 @@ from raytrain_mp.pipeline import (
     flatten_model,
     split_batch,
 )
-from raytrain_mp.pipeline.schedule import FLAT_SCHEDULES, FORWARD, bubble_for_stage_times, ideal_bubble
+from raytrain_mp.pipeline.schedule import (
+    FLAT_SCHEDULES,
+    FORWARD,
+    INTERLEAVED_SCHEDULES,
+    bubble_for_stage_times,
+    ideal_bubble,
+)
 
 LR = 0.01  # small enough that random labels never blow the weights up (NaNs would change the timing)
 MOMENTUM = 0.9
@@ -178,8 +184,8 @@ def seeded_mlp(layers: int, batch_size: int, seed: int) -> tuple[nn.Module, Tens
 
 
 def virtual_stages(schedule: str) -> int:
-    """Model chunks per stage actor: 2 for the interleaved schedules, else 1."""
-    return 2 if schedule.startswith("interleaved") else 1
+    """Model chunks per stage actor: ``INTERLEAVED_VIRTUAL`` for the interleaved schedules, else 1."""
+    return INTERLEAVED_VIRTUAL if schedule in INTERLEAVED_SCHEDULES else 1
 
 
 def mlp_layers(cfg: BenchPipelineConfig) -> int:

@@ -318,9 +318,8 @@ class StageWorker:
         if key != self._schedule_key:
             probe = inputs[: microbatch_shape[0]] if self.holds_first else None
             self._schedule, self._schedule_key = self._build_schedule(schedule, num_microbatches, probe), key
-        batch = targets if self.holds_last else None
-        if batch is not None:
-            self._loss_scale = 1.0 / len(batch)
+        if self.holds_last:
+            self._loss_scale = 1.0 / len(targets)
         losses: list[Tensor] = []
         try:
             args = (self._first_input(inputs),) if self.holds_first else ()

@@ -317,11 +317,15 @@ class PipelineTrainer:
         """The results of ``submitted`` (rank, ref) pairs, in order. A failure stops every rank and
         raises ``StageFailedError`` for its origin (see the module docstring)."""
         refs = [ref for _, ref in submitted]
+        results: dict[ray.ObjectRef, Any] = {}
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            if _error_of(done[0]) is None:
+            try:
+                results[done[0]] = ray.get(done[0])
                 continue
+            except RayError:
+                pass
             if pending:  # the peers' errors, for telling the origin from ranks that lost their peer
                 ray.wait(pending, num_returns=len(pending), timeout=_FAILURE_GRACE_S)
             finished, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -334,7 +338,7 @@ class PipelineTrainer:
             self.shutdown()
             self._stopped = f"a failure of stage {rank}, after which it stopped every stage actor"
             raise StageFailedError(rank, self.num_stages, step, origin) from origin
-        return ray.get(refs)
+        return [results[ref] for ref in refs]
 
     def train_step(self, inputs: Tensor, targets: Tensor) -> float:
         """One optimizer step on the batch; returns the batch mean cross-entropy loss."""
