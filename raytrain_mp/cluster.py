@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -164,9 +165,17 @@ def cluster_totals() -> tuple[float, float]:
     return resources.get("CPU", 0.0), resources.get("GPU", 0.0)
 
 
-def resolve_use_gpu(use_gpu: bool | None) -> bool:
-    """``--use-gpu`` as given, else True when the cluster has at least one GPU."""
-    return cluster_totals()[1] >= 1 if use_gpu is None else use_gpu
+def resolve_use_gpu(use_gpu: bool | None, needed: int, ranks: str) -> bool:
+    """``--use-gpu`` as given; else True when the cluster has a GPU for each of ``needed`` ``ranks``.
+
+    A cluster with some GPUs but fewer than ``needed`` trains on CPUs and says so on stderr: an
+    automatic choice that cannot be honoured must not fail a run the user did not ask GPUs for."""
+    if use_gpu is not None:
+        return use_gpu
+    gpus = cluster_totals()[1]
+    if 1 <= gpus < needed:
+        print(f"note: {needed} {ranks} need {needed} GPUs (one each) and the Ray cluster has {gpus:g}; training on CPUs", file=sys.stderr, flush=True)
+    return gpus >= needed
 
 
 def check_fits(count_option: str, count: int, cpus_each: float, gpus_each: float) -> None:

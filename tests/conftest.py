@@ -5,6 +5,12 @@ end-to-end runs of a minute or more, and CI runs everything. Tests mirror the pa
 ``tests/ddp``, ``tests/pipeline``, ``tests/tune``, ``tests/bench``, ``tests/data``, and the shared
 layer and whole-project checks at the top.
 
+Tests state the device they need. CPU tests pin the CPU (``--no-use-gpu``, ``use_gpu=False``,
+simulated nodes with ``num_gpus=0``), so they mean the same on a GPU box; tests marked
+``gpu(n)`` need n CUDA devices and skip, with the reason, where there are fewer. The session's Ray
+advertises this machine's GPUs, or ``RAYTRAIN_MP_TEST_RAY_GPUS`` of them: a number there fakes a
+GPU cluster on a CPU machine (``tests/test_gpu_readiness.py`` runs CPU tests that way).
+
 Object storage is a real S3 protocol server (moto's server mode) on 127.0.0.1, started once per
 session by the tests that ask (``s3_endpoint``); its credentials are set here, before any Ray
 process starts, so Ray's workers inherit them.
@@ -55,6 +61,30 @@ def bucket(s3_endpoint, request) -> str:
     return f"s3://{name}{query}"
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip ``gpu(n)`` tests where fewer than n CUDA devices exist, saying how many there are."""
+    import torch
+
+    have = torch.cuda.device_count()
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        need = marker.args[0] if marker and marker.args else 1
+        if marker and have < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s); this machine has {have}"))
+
+
+@pytest.fixture
+def no_tf32():
+    """Full float32 in CUDA convolutions and matmuls for the test: cuDNN uses TF32 by default,
+    whose 10-bit mantissa would move a float32 comparison far past its tolerance."""
+    import torch
+
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
@@ -63,7 +93,9 @@ def ray_session():
 
     if not ray.is_initialized():
         quiet_ray_train_logs()
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+        fake_gpus = os.environ.get("RAYTRAIN_MP_TEST_RAY_GPUS")
+        gpus = {"num_gpus": int(fake_gpus)} if fake_gpus else {}
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True, **gpus)
     yield ray
     ray.shutdown()
 

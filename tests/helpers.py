@@ -36,9 +36,13 @@ RAY_FORWARDED = re.compile(r"^(\x1b\[[0-9;]*m)?\(\w+ pid=\d+")
 
 
 def assert_usage_error(result: CliResult, *fragments: str) -> None:
-    """Exit code 2 and a single ``error:`` line on stderr (besides Ray's forwarded logs) holding every fragment."""
+    """Exit code 2 and a single ``error:`` line on stderr (besides Ray's forwarded logs and the
+    tool's ``note:`` lines) holding every fragment."""
     assert result.code == 2, result
-    lines = [line for line in result.err.strip().splitlines() if line.strip() and not RAY_FORWARDED.match(line)]
+    lines = [
+        line for line in result.err.strip().splitlines()
+        if line.strip() and not RAY_FORWARDED.match(line) and not line.startswith("note: ")  # e.g. a device choice
+    ]  # fmt: skip
     assert len(lines) == 1, lines
     assert "error:" in lines[0]
     for fragment in fragments:

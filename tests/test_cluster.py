@@ -42,8 +42,8 @@ def user_env(ray_tmpdir: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_no_address_starts_a_local_ray_despite_a_stale_cluster_file(stale_ray_tmpdir, digits_dir, tmp_path):
     done = subprocess.run(
-        ["raytrain-mp", "ddp", "--data", digits_dir, "--num-workers", "1", "--global-batch-size", "128", "--epochs", "1",
-         "--storage-path", str(tmp_path / "runs"), "--json"],
+        ["raytrain-mp", "ddp", "--no-use-gpu", "--data", digits_dir, "--num-workers", "1", "--global-batch-size", "128",
+         "--epochs", "1", "--storage-path", str(tmp_path / "runs"), "--json"],
         env=user_env(stale_ray_tmpdir), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -56,7 +56,7 @@ def test_pipeline_trainer_starts_a_local_ray_despite_a_stale_cluster_file(stale_
     code = (
         "import torch\nfrom torch import nn\nfrom raytrain_mp import PipelineTrainer\n"
         "model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))\n"
-        "with PipelineTrainer(model, 2, num_microbatches=2) as trainer:\n"
+        "with PipelineTrainer(model, 2, num_microbatches=2, use_gpu=False) as trainer:\n"
         "    print(round(trainer.train_step(torch.ones(4, 4), torch.zeros(4, dtype=torch.long)), 6) > 0)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], env=user_env(stale_ray_tmpdir), capture_output=True, text=True, timeout=300)

@@ -124,7 +124,7 @@ def head_node(tmp_path_factory):
     )]  # fmt: skip
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard}", "--num-cpus=2", "--include-dashboard=true", f"--temp-dir={temp_dir}", *ports],
+         f"--dashboard-port={dashboard}", "--num-cpus=2", "--num-gpus=0", "--include-dashboard=true", f"--temp-dir={temp_dir}", *ports],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     address = f"http://127.0.0.1:{dashboard}"
@@ -175,7 +175,7 @@ def test_job_submit_trains_and_checkpoints(head_node, tmp_path):
     env, address, _ = head_node
     runs = tmp_path / "runs"
     status, logs = submit(
-        env, address, "jobs/ddp_resnet.py", "--num-workers", "2", "--epochs", "1", "--global-batch-size", "256",
+        env, address, "jobs/ddp_resnet.py", "--no-use-gpu", "--num-workers", "2", "--epochs", "1", "--global-batch-size", "256",
         "--base-lr", "0.1", "--storage-path", str(runs), "--name", "job", "--json",
     )  # fmt: skip
     assert status == "SUCCEEDED", logs[-3000:]
@@ -197,7 +197,7 @@ def test_joining_a_token_cluster_uses_the_token_without_ray_auth_mode(head_node,
     env, _, gcs_port = head_node
     env = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
     done = subprocess.run(
-        ["raytrain-mp", "ddp", "--address", f"127.0.0.1:{gcs_port}", "--data", digits_dir, "--num-workers", "1",
+        ["raytrain-mp", "ddp", "--no-use-gpu", "--address", f"127.0.0.1:{gcs_port}", "--data", digits_dir, "--num-workers", "1",
          "--global-batch-size", "128", "--epochs", "1", "--storage-path", str(tmp_path), "--json"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

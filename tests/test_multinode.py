@@ -25,11 +25,13 @@ from raytrain_mp.models import build_model
 
 # The cluster lives in its own process: cluster_utils rebinds (and on shutdown resets) the calling
 # process's internal-KV client, which would break the test session's own Ray for later tests.
+# Its nodes advertise no GPUs: every simulated node would otherwise claim this machine's GPUs, and
+# two "nodes" would put two NCCL ranks on one GPU.
 CLUSTER_SCRIPT = """
 import sys
 from ray.cluster_utils import Cluster
-cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-workers = [cluster.add_node(num_cpus=2) for _ in range(int(sys.argv[1]))]
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+workers = [cluster.add_node(num_cpus=2, num_gpus=0) for _ in range(int(sys.argv[1]))]
 cluster.wait_for_nodes()
 print(cluster.address, flush=True)
 for line in sys.stdin:
@@ -92,7 +94,7 @@ def driver_env() -> dict[str, str]:
 @pytest.mark.parametrize(("placement", "nodes"), [("STRICT_PACK", 1), ("SPREAD", 2)])
 def test_pipeline_stages_follow_the_placement_strategy(two_nodes, digits_dir, tmp_path, placement, nodes):
     result, _ = run(command(
-        two_nodes, "pipeline", "--data", digits_dir, "--model", "resnet18", "--stages", "2", "--balance", "params",
+        two_nodes, "pipeline", "--no-use-gpu", "--data", digits_dir, "--model", "resnet18", "--stages", "2", "--balance", "params",
         "--global-batch-size", "256", "--epochs", "1", "--placement", placement, "--storage-path", str(tmp_path),
     ))  # fmt: skip
     assert result["num_nodes"] == nodes
@@ -107,7 +109,7 @@ def test_ddp_spread_over_two_nodes_survives_losing_one(digits_dir, tmp_path):
     cluster = TwoNodes()
     try:
         process = subprocess.Popen(command(
-            cluster.address, "ddp", "--data", digits_dir, "--num-workers", "2", "--placement", "SPREAD",
+            cluster.address, "ddp", "--no-use-gpu", "--data", digits_dir, "--num-workers", "2", "--placement", "SPREAD",
             "--epochs", "2", "--max-failures", "1", "--storage-path", str(tmp_path), "--name", "lose-node",
         ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=driver_env())  # fmt: skip
         deadline = time.time() + 300

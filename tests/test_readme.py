@@ -33,6 +33,7 @@ NOT_HERE = {
     "pip install -e '.[test]' && pytest": "this is .ci/run itself",
     'pytest -m "not slow"': "the test suite itself, less its slow tests",
     "raytrain-mp pipeline --use-gpu --stages 4 --balance time --data data/cifar10": GPU,
+    "scripts/gpu_check.sh": GPU + "; tests/test_gpu_readiness.py runs it here, where it skips every GPU step",
     "ray start --head --num-gpus=4": GPU + " (Ray would advertise 4 GPUs that are not there)",
     "raytrain-mp ddp --address auto --num-workers 4 --use-gpu": GPU,
     "raytrain-mp pipeline --address auto --stages 4 --use-gpu": GPU,

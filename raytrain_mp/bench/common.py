@@ -6,7 +6,10 @@ the machine (CPU count, GPU names, torch and ray versions, load average) next to
 ``torchrun`` launches the bare torch.distributed peers (``bench.ddp_bare``,
 ``bench.pipeline_native``) one way: ``--settings JSON --result PATH``, rank 0 writes the JSON.
 ``bar_chart`` and ``curve_chart`` draw every benchmark's plots the same way: medians with min-max
-whiskers.
+whiskers. ``bench_use_gpu`` decides the device one way: as given, else GPUs when this machine has
+one for every rank of the largest variant (as the trainers decide), and ``join_torchrun_group``
+puts a torchrun rank on it. ``in_fresh_process`` runs a one-process reference in a child that
+exits, so its CUDA context and cached memory are gone before the measured runs use the GPU.
 
 Invariants: ``summarize`` never sees an empty list (``timed`` refuses ``steps < 1``); results are
 written atomically (a half-written ``results.json`` never exists); plots use matplotlib's Agg
@@ -25,9 +28,12 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
@@ -98,6 +104,31 @@ def torchrun(module: str, nproc: int, settings: dict[str, Any], threads: int, wh
         if not result.is_file():
             raise RuntimeError(f"{what} exited 0 but rank 0 wrote no result: {done.stderr[-3000:]}")
         return json.loads(result.read_text())
+
+
+def bench_use_gpu(use_gpu: bool | None, ranks: int) -> bool:
+    """``--use-gpu`` as given, else True when this machine has a CUDA GPU for each of ``ranks``."""
+    return torch.cuda.device_count() >= max(1, ranks) if use_gpu is None else use_gpu
+
+
+def join_torchrun_group(use_gpu: bool) -> torch.device:
+    """Join the process group torchrun describes: NCCL with rank r on GPU ``LOCAL_RANK``, or gloo on CPUs."""
+    if not use_gpu:
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return device
+
+
+def in_fresh_process(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a spawned child process that exits afterwards (``fn`` must be importable)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def pyplot() -> Any:

@@ -38,6 +38,11 @@ class BenchDDPConfig:
     num_classes: int = option(10, "classes of the random labels")
     num_workers: tuple[int, ...] = option((1, 2), "worker counts to measure (DDP ranks)", aliases=("workers",))
     cpus_per_worker: int = option(1, "CPUs per worker; also its torch thread count", aliases=("threads",))
+    use_gpu: bool | None = option(
+        None,
+        "one GPU per worker on both sides, the reference on one, and nn.DataParallel over 2+ "
+        "(default: when this machine has a GPU for each worker of the largest count)",
+    )
     sync_bn: bool = option(False, "synchronized BatchNorm (as raytrain-mp ddp) on both sides; off: plain BatchNorm")
     bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MiB (torch's default 25)")
     steps: int = option(40, "timed steps per figure")
@@ -70,6 +75,9 @@ class BenchPipelineConfig:
     num_classes: int = option(1000, "classes of the random labels (the seeds' ResNet-50 has 1000)")
     stages: int = option(2, "pipeline stages, one Ray actor each (and one torchrun rank each for the native peer)")
     cpus_per_stage: int = option(1, "CPUs per stage actor and per native rank; also their torch thread count")
+    use_gpu: bool | None = option(
+        None, "one GPU per stage actor and per native rank, and the reference on one (default: when this machine has a GPU for each stage)"
+    )
     threads: int = option(2, "torch threads of the one-process baseline (default: the stages' CPUs together)")
     microbatches: tuple[int, ...] = option(
         (2, 4, 8),

@@ -14,20 +14,30 @@ world / global count, SGD with momentum and the same weight-decay groups) on in-
 and both launchers run this one function, so the ratio ours/bare is the cost of the launcher and
 its runtime alone.
 
+On GPUs (``--use-gpu``, the default where this machine has one for each worker of the largest
+count) every rank has its own GPU, and with 2 or more GPUs ``nn.DataParallel`` (the seeds'
+baseline: one process, the batch scattered over the GPUs, outputs gathered on GPU 0) runs the same
+per-GPU batch; its figure holds the peak memory of each GPU, where GPU 0's extra shows.
+
 Invariants:
 - Both sides see the same model, seed, per-worker batch, thread count and in-memory data.
 - The bare runs go first, before this command starts Ray, so Ray's idle daemons do not share the
   CPUs with them (``ray_running_during_bare`` says whether Ray was already up, as in tests).
 - Start-up is the wall time from launching (``fit()`` / starting torchrun) to the first step;
   throughput never includes it.
+- No variant asks for more GPUs than exist: one that would is listed under ``skipped`` with the
+  reason. The one-process references run in a child process that exits before the measured runs,
+  so no CUDA context or cached memory of theirs stays on a GPU the ranks use.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +47,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_mp.bench.common import (
     bar_chart,
+    bench_use_gpu,
+    in_fresh_process,
     machine,
     summarize,
     torchrun,
@@ -47,16 +59,22 @@ from raytrain_mp.ddp.distributed_eval import all_reduce_sum
 from raytrain_mp.models import build_model, wants_small_stem
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
+from raytrain_mp.errors import UsageError
 
 DISTINCT_BATCHES = 4  # in-memory batches each worker cycles through
 MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4  # raytrain-mp ddp's defaults
 
 
-def measure_steps(settings: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, float]:
-    """Run warm-up and timed DDP steps (plain steps without a process group); rank's figures.
+def measure_steps(
+    settings: dict[str, Any], rank: int, world: int, device: torch.device, data_parallel_gpus: int = 0
+) -> dict[str, Any]:
+    """Run warm-up and timed DDP steps (plain steps without a process group; ``nn.DataParallel``
+    over GPUs 0..``data_parallel_gpus``-1 when that is 2 or more, each GPU a worker's batch); the
+    rank's figures.
 
-    Returns plain numbers (Ray Train's report wants them): the median, min and max step seconds and
-    ``first_step_at``, the wall-clock time (``time.time()``) at which the first step started."""
+    Returns plain numbers (Ray Train's report wants them): the median, min and max step seconds,
+    ``first_step_at``, the wall-clock time (``time.time()``) at which the first step started, and
+    on CUDA ``peak_memory_bytes`` of the rank's GPU (of each GPU, a list, under DataParallel)."""
     torch.set_num_threads(settings["cpus_per_worker"])  # Ray and torchrun set OMP_NUM_THREADS; torch's pool is ours
     size, batch = settings["image_size"], settings["batch_size_per_worker"]
     torch.manual_seed(settings["seed"])
@@ -66,9 +84,13 @@ def measure_steps(settings: dict[str, Any], rank: int, world: int, device: torch
     if settings["sync_bn"] and world > 1:
         model = convert_sync_batchnorm(model, device=device)
     model.to(device)
+    gpus = [device.index] if device.type == "cuda" else []
     if distributed:
-        ids = [device.index] if device.type == "cuda" else None
-        model = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=settings["bucket_cap_mb"])
+        model = DistributedDataParallel(model, device_ids=gpus or None, bucket_cap_mb=settings["bucket_cap_mb"])
+    elif data_parallel_gpus >= 2:
+        gpus = list(range(data_parallel_gpus))
+        model = nn.DataParallel(model, device_ids=gpus)
+        batch *= data_parallel_gpus
     optimizer = build_optimizer(model.parameters(), "sgd", settings["lr"], MOMENTUM, WEIGHT_DECAY)
     data = torch.Generator().manual_seed(settings["seed"] * 1000 + rank)
     batches = [
@@ -85,8 +107,8 @@ def measure_steps(settings: dict[str, Any], rank: int, world: int, device: torch
         (loss * (world / count)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        for gpu in gpus:
+            torch.cuda.synchronize(gpu)
 
     first_step_at = time.time()
     seconds = []
@@ -95,7 +117,11 @@ def measure_steps(settings: dict[str, Any], rank: int, world: int, device: torch
         step(*batches[i % DISTINCT_BATCHES])
         if i >= settings["warmup"]:
             seconds.append(time.perf_counter() - start)
-    return {**{f"step_{k}": v for k, v in summarize(seconds).items()}, "first_step_at": first_step_at}
+    figures: dict[str, Any] = {**{f"step_{k}": v for k, v in summarize(seconds).items()}, "first_step_at": first_step_at}
+    if gpus:
+        memory = [torch.cuda.max_memory_allocated(gpu) for gpu in gpus]
+        figures["peak_memory_bytes"] = memory if data_parallel_gpus >= 2 else memory[0]
+    return figures
 
 
 def throughput(figures: dict[str, float], samples_per_step: int) -> dict[str, Any]:
@@ -110,15 +136,14 @@ def throughput(figures: dict[str, float], samples_per_step: int) -> dict[str, An
     }
 
 
-def one_process(cfg: BenchDDPConfig, threads: int) -> dict[str, Any]:
-    """The reference: one plain process (no DDP) with ``threads`` threads, the same per-step batch."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    previous = torch.get_num_threads()
-    try:
-        figures = measure_steps({**cfg.settings(), "cpus_per_worker": threads}, 0, 1, device)
-    finally:
-        torch.set_num_threads(previous)
-    return {"threads": threads, **throughput(figures, cfg.batch_size_per_worker)}
+def one_process(cfg: BenchDDPConfig, threads: int, data_parallel_gpus: int = 0) -> dict[str, Any]:
+    """One process without DDP, ``threads`` threads: the reference (one worker's batch, on GPU 0
+    with ``--use-gpu``), or ``nn.DataParallel`` over ``data_parallel_gpus`` GPUs (one worker's
+    batch per GPU). Run it in a fresh process (``in_fresh_process``): it sets torch's threads."""
+    device = torch.device("cuda", 0) if cfg.use_gpu else torch.device("cpu")
+    figures = measure_steps({**cfg.settings(), "cpus_per_worker": threads}, 0, 1, device, data_parallel_gpus)
+    memory = {"peak_memory_bytes": figures["peak_memory_bytes"]} if "peak_memory_bytes" in figures else {}
+    return {"threads": threads, "device": str(device), **throughput(figures, cfg.batch_size_per_worker * max(1, data_parallel_gpus)), **memory}
 
 
 def bare(cfg: BenchDDPConfig, workers: int) -> dict[str, Any]:
@@ -149,14 +174,13 @@ def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:
 
     from raytrain_mp.cluster import check_fits, train_log_level
 
-    use_gpu = torch.cuda.is_available()
-    check_fits("--num-workers", workers, cfg.cpus_per_worker, 1 if use_gpu else 0)
+    check_fits("--num-workers", workers, cfg.cpus_per_worker, 1 if cfg.use_gpu else 0)
     trainer = TorchTrainer(
         ray_worker,
         train_loop_config=cfg.settings(),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+            num_workers=workers, use_gpu=cfg.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
         ),
         run_config=RunConfig(
             name=f"bench-ddp-{workers}-{time.strftime('%H%M%S')}",
@@ -169,39 +193,80 @@ def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:
     return {"workers": workers, "startup_seconds": figures["first_step_at"] - launched, **throughput(figures, workers * cfg.batch_size_per_worker)}
 
 
-def data_parallel_skipped() -> str | None:
-    """Why ``nn.DataParallel`` is not measured here, or None when it could be."""
-    if torch.cuda.device_count() < 2:
-        return f"nn.DataParallel needs at least 2 CUDA GPUs; this machine has {torch.cuda.device_count()}"
-    return "nn.DataParallel on CUDA is not implemented by this version of the benchmark"
+def too_few_gpus(cfg: BenchDDPConfig, workers: int, gpus: float, where: str) -> str | None:
+    """Why ``workers`` ranks cannot run where ``gpus`` GPUs exist (one each), or None when they can."""
+    if cfg.use_gpu and workers > gpus:
+        return f"{workers} workers need {workers} GPUs (one each); {where} has {gpus:g}"
+    return None
+
+
+def measured(cfg: BenchDDPConfig, side: str, gpus: float, where: str, run: Callable[[int], dict[str, Any]], skipped: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``run(w)`` for each worker count that fits ``gpus``; the others appended to ``skipped``."""
+    runs = []
+    for workers in cfg.num_workers:
+        reason = too_few_gpus(cfg, workers, gpus, where)
+        if reason:
+            skipped.append({"variant": side, "workers": workers, "reason": reason})
+            print(f"{side} with {workers} workers: skipped, {reason}", flush=True)
+        else:
+            runs.append(run(workers))
+    return runs
+
+
+def data_parallel(cfg: BenchDDPConfig, threads: int, skipped: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``nn.DataParallel`` over as many GPUs as the largest worker count (2 or more), or None
+    with the reason appended to ``skipped``."""
+    gpus = min(torch.cuda.device_count(), max(cfg.num_workers)) if cfg.use_gpu else 0
+    if gpus >= 2:
+        return {"gpus": gpus, **in_fresh_process(one_process, cfg, threads, gpus)}
+    reason = (
+        "nn.DataParallel runs on CUDA GPUs; this run is on CPUs (--no-use-gpu or no GPU for each worker)"
+        if not cfg.use_gpu
+        else f"nn.DataParallel needs 2 or more GPUs and a worker count of 2 or more; this machine has {torch.cuda.device_count()}, the largest count is {max(cfg.num_workers)}"
+    )
+    skipped.append({"variant": "data_parallel", "reason": reason})
+    return None
 
 
 def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
-    """Bare runs, then (starting Ray unless connected) Ray Train runs; write results.json and the plot."""
+    """The references and the bare runs, then (starting Ray unless connected) the Ray Train runs;
+    write results.json and the plot."""
     import ray
 
-    from raytrain_mp.cluster import ray_connection
+    from raytrain_mp.cluster import cluster_totals, ray_connection
 
+    cfg = dataclasses.replace(cfg, use_gpu=bench_use_gpu(cfg.use_gpu, max(cfg.num_workers)))
+    if cfg.use_gpu and not torch.cuda.is_available():
+        raise UsageError("--use-gpu: this machine has no CUDA GPU, and the references and the torchrun side run here; accepted: --no-use-gpu")
     started = time.perf_counter()
     host = machine()
     ray_was_running = ray.is_initialized()
-    reference = one_process(cfg, cfg.cpus_per_worker * max(cfg.num_workers))
-    bare_runs = [bare(cfg, w) for w in cfg.num_workers]
+    threads = cfg.cpus_per_worker * max(cfg.num_workers)
+    skipped: list[dict[str, Any]] = []
+    reference = in_fresh_process(one_process, cfg, threads)
+    dp = data_parallel(cfg, threads, skipped)
+    bare_runs = measured(cfg, "torchrun", torch.cuda.device_count(), "this machine", lambda w: bare(cfg, w), skipped)
     with ray_connection(cfg.address, cfg.verbose), tempfile.TemporaryDirectory(prefix="bench-ddp-ray-") as storage:
-        ray_runs = [ours(cfg, w, storage) for w in cfg.num_workers]
+        ray_runs = measured(cfg, "ray_train", cluster_totals()[1], "the Ray cluster", lambda w: ours(cfg, w, storage), skipped)
+    bare_by_workers = {b["workers"]: b for b in bare_runs}
     ratios = {
-        str(b["workers"]): r["samples_per_second"]["median"] / b["samples_per_second"]["median"]
-        for b, r in zip(bare_runs, ray_runs)
+        str(r["workers"]): r["samples_per_second"]["median"] / bare_by_workers[r["workers"]]["samples_per_second"]["median"]
+        for r in ray_runs
+        if r["workers"] in bare_by_workers
     }
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     plot = out / "throughput_bars.png"
-    labels = [f"one process\n{reference['threads']} threads"]
-    figures = [reference["samples_per_second"]]
-    for b, r in zip(bare_runs, ray_runs):
-        labels += [f"torchrun\n{b['workers']} worker(s)", f"Ray Train\n{r['workers']} worker(s)"]
-        figures += [b["samples_per_second"], r["samples_per_second"]]
-    title = f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.batch_size_per_worker}/worker, {cfg.cpus_per_worker} thread(s)/worker"
+    device = "GPU" if cfg.use_gpu else f"{reference['threads']} threads"
+    labels, figures = [f"one process\n{device}"], [reference["samples_per_second"]]
+    if dp is not None:
+        labels.append(f"nn.DataParallel\n{dp['gpus']} GPUs")
+        figures.append(dp["samples_per_second"])
+    for side, runs in (("torchrun", bare_runs), ("Ray Train", ray_runs)):
+        labels += [f"{side}\n{r['workers']} worker(s)" for r in runs]
+        figures += [r["samples_per_second"] for r in runs]
+    per_worker = "1 GPU" if cfg.use_gpu else f"{cfg.cpus_per_worker} thread(s)"
+    title = f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.batch_size_per_worker}/worker, {per_worker}/worker"
     bar_chart(plot, labels, figures, "training samples per second", title)
     results = {
         "benchmark": "ddp",
@@ -209,10 +274,11 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
         "settings": {**cfg.settings(), "num_workers": list(cfg.num_workers)},
         "ray_running_during_bare": ray_was_running,
         "one_process": reference,
+        "data_parallel": dp,
         "bare_torchrun": bare_runs,
         "ray_train": ray_runs,
         "ours_over_bare": ratios,
-        "not_measured": {"data_parallel": data_parallel_skipped()},
+        "skipped": skipped,
         "elapsed_seconds": time.perf_counter() - started,
     }
     path = write_results(out, results)

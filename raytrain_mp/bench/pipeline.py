@@ -6,7 +6,7 @@ Job: time one training step (forward, backward, SGD step) of the same model on t
 in-memory batch in each of these ways, and write ``results.json`` plus two plots (three with the
 overhead case):
 
-- one process with ``--threads`` torch threads, the whole batch at once;
+- one process with ``--threads`` torch threads (on GPU 0 with ``--use-gpu``), the whole batch at once;
 - the same process with gradient accumulation over m micro-batches: on a CPU a smaller
   micro-batch is itself faster per sample (caches), so this separates that gain from the gain of
   overlapping stages;
@@ -25,7 +25,7 @@ overhead case):
 - the overhead case (``--overhead``, on by default): a seeded MLP whose compute is negligible
   (``seeded_mlp``: 32 features, 64 hidden, 10 classes, 3 Linear layers, one pipeline block each;
   more when stages x virtual stages need more), batch ``--overhead-batch-size``, cut evenly into
-  ``--stages`` stages, ours (``PipelineTrainer`` on CPU stage actors, ``virtual_stages=2`` for
+  ``--stages`` stages, ours (``PipelineTrainer``, ``virtual_stages=2`` for
   the interleaved schedules) and native (a second case in the same torchrun) over
   ``--overhead-schedules`` x ``--overhead-microbatches``, ``--overhead-steps`` timed steps after
   ``OVERHEAD_WARMUP`` untimed ones. ``results["overhead"]["runs"]`` holds per (schedule, m) ours'
@@ -36,6 +36,11 @@ overhead case):
   (``schedule.ideal_bubble``: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved);
   ``summary.overhead_native_over_ours`` is that ratio per schedule at m=8; ``overhead.png``
   plots milliseconds per step against m.
+
+Devices: ``--use-gpu`` (the default where this machine has a GPU for each stage) puts every stage
+actor and native rank on its own GPU (NCCL between them) and the references on GPU 0; with fewer
+GPUs than stages it is one error line before anything runs. The references run in a child process
+that exits before the pipelines start, so their CUDA context and cached memory leave GPU 0.
 
 Invariants:
 - Every step time is the median of ``--steps`` timed steps after ``--warmup`` untimed ones, with
@@ -73,7 +78,9 @@ from torch import Tensor, nn
 
 from raytrain_mp.bench.common import (
     bar_chart,
+    bench_use_gpu,
     curve_chart,
+    in_fresh_process,
     machine,
     summarize,
     timed,
@@ -234,21 +241,19 @@ def in_ms(step_seconds: dict[str, float]) -> dict[str, float]:
 
 
 def one_process(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Any]:
-    """Step times of one process: the whole batch, and gradient accumulation over each m > 1."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    threads = torch.get_num_threads()
+    """Step times of one process (GPU 0 with ``--use-gpu``): the whole batch, and gradient
+    accumulation over each m > 1. Run it in a fresh process (``in_fresh_process``): it sets
+    torch's threads, and on a GPU its CUDA context must not outlive it."""
+    device = torch.device("cuda", 0) if cfg.use_gpu else torch.device("cpu")
     torch.set_num_threads(cfg.threads)
-    try:
-        model = copy.deepcopy(model).to(device).train()
-        optimizer = sgd(model)
-        x, y = x.to(device), y.to(device)
-        figures = {}
-        for m in cfg.sweep:
-            seconds = timed(lambda m=m: accumulation_step(model, optimizer, x, y, m), cfg.warmup, cfg.steps)
-            figures[m] = {"microbatches": m, "step_seconds": summarize(seconds)}
-            progress(f"one process, {cfg.threads} threads, m={m}", figures[m]["step_seconds"])
-    finally:
-        torch.set_num_threads(threads)
+    model = copy.deepcopy(model).to(device).train()
+    optimizer = sgd(model)
+    x, y = x.to(device), y.to(device)
+    figures = {}
+    for m in cfg.sweep:
+        seconds = timed(lambda m=m: accumulation_step(model, optimizer, x, y, m), cfg.warmup, cfg.steps)
+        figures[m] = {"microbatches": m, "step_seconds": summarize(seconds)}
+        progress(f"one process, {cfg.threads} threads, m={m}", figures[m]["step_seconds"])
     return {
         "device": str(device),
         "threads": cfg.threads,
@@ -322,7 +327,7 @@ def layout_runs(
     )
     with PipelineTrainer(
         model, cfg.stages, lr=LR, momentum=MOMENTUM, weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage,
-        schedule=schedules[0], virtual_stages=virtual, **partition,
+        use_gpu=cfg.use_gpu, schedule=schedules[0], virtual_stages=virtual, **partition,
     ) as trainer:  # fmt: skip
         plan = [dataclasses.asdict(stage) for stage in trainer.plan]
         print("stages: " + " | ".join(f"{p['blocks'][0]}..{p['blocks'][-1]}" for p in plan), flush=True)
@@ -361,7 +366,7 @@ def overhead_runs(cfg: BenchPipelineConfig) -> dict[str, Any]:
         layouts.append({"virtual_stages": virtual, "split_points": points, "schedules": list(schedules)})
         trainer = PipelineTrainer(
             model, num_stages=cfg.stages, split_points=points, schedule=schedules[0], num_microbatches=max(cfg.overhead_microbatches),
-            optimizer="sgd", lr=LR, momentum=MOMENTUM, weight_decay=0.0, use_gpu=False, cpus_per_stage=cfg.cpus_per_stage,
+            optimizer="sgd", lr=LR, momentum=MOMENTUM, weight_decay=0.0, use_gpu=cfg.use_gpu, cpus_per_stage=cfg.cpus_per_stage,
             virtual_stages=virtual,
         )  # fmt: skip
         try:
@@ -400,7 +405,7 @@ def native_settings(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) ->
             },
             **dataclasses.asdict(overhead_sweep(cfg)),
         }
-    return {"threads": cfg.cpus_per_stage, "cases": cases}
+    return {"threads": cfg.cpus_per_stage, "use_gpu": cfg.use_gpu, "cases": cases}
 
 
 def native_runs(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -583,11 +588,17 @@ def plot_overhead(path: Path, cfg: BenchPipelineConfig, overhead: dict[str, Any]
 
 def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     """Measure every variant on the connected Ray cluster; write results.json and the plots."""
+    cfg = dataclasses.replace(cfg, use_gpu=bench_use_gpu(cfg.use_gpu, cfg.stages))
+    if cfg.use_gpu and torch.cuda.device_count() < cfg.stages:
+        raise UsageError(
+            f"--use-gpu: {cfg.stages} stages need {cfg.stages} GPUs (one each: NCCL ranks cannot share a GPU) and this machine "
+            f"has {torch.cuda.device_count()}, where the native peer's ranks run; accepted: --no-use-gpu"
+        )
     started = time.perf_counter()
     host = machine()
     model, x, y = seeded_setup(cfg.model, cfg.num_classes, cfg.image_size, cfg.global_batch_size, cfg.seed)
 
-    local = one_process(cfg, model, x, y)
+    local = in_fresh_process(one_process, cfg, model, x, y)
     layouts = {"fixed": layout_runs(cfg, model, x, y, cfg.split_points, cfg.sweep)}
     ours_overhead = overhead_runs(cfg) if cfg.overhead else None
     native, native_overhead = native_runs(cfg, layouts["fixed"]["plan"])

@@ -1,7 +1,7 @@
 """The native side of ``raytrain-mp bench pipeline``: PyTorch's own ``torch.distributed.pipelining``.
 
-Job: join the process group torchrun describes (gloo on CPU; NCCL with one GPU per rank when the
-machine has a GPU for every rank) and, for each case of the settings in turn (``resnet``: the
+Job: join the process group torchrun describes (NCCL with one GPU per rank when the settings'
+``use_gpu`` says so, gloo on CPUs otherwise) and, for each case of the settings in turn (``resnet``: the
 seeds'-split layout's stages; ``overhead``: the tiny MLP of the overhead case), build the same
 seeded model and batch as ``bench.pipeline`` (the case names ``seeded_setup`` or ``seeded_mlp``
 and its arguments), take this rank's stage of the case's block names (``stage_modules``), wrap it
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from raytrain_mp.bench.common import summarize, timed
+from raytrain_mp.bench.common import join_torchrun_group, summarize, timed
 from raytrain_mp.bench.pipeline import seeded_mlp, seeded_setup, sgd, stage_modules, virtual_stages
 from raytrain_mp.pipeline.stage import TORCH_SCHEDULES
 SETUPS = {"seeded_setup": seeded_setup, "seeded_mlp": seeded_mlp}
@@ -111,14 +110,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--result", required=True, help="where rank 0 writes its figures")
     args = parser.parse_args(argv)
     settings = json.loads(args.settings)
-    local_rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    use_gpu = torch.cuda.device_count() >= world  # one GPU per rank, else every rank on the CPU
-    device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
-    if use_gpu:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    device = join_torchrun_group(settings["use_gpu"])
+    world = dist.get_world_size()
     torch.set_num_threads(settings["threads"])  # torchrun sets OMP_NUM_THREADS; torch's pool is ours
     cases = {name: measure(case, dist.get_rank(), dist.get_world_size(), device) for name, case in settings["cases"].items()}
     if dist.get_rank() == 0:

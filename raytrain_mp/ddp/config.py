@@ -16,7 +16,7 @@ DDP_PLACEMENTS = ("PACK", "SPREAD")
 @dataclasses.dataclass
 class DDPConfig(TrainOptions):
     num_workers: int = option(2, "Ray Train workers (DDP ranks)")
-    use_gpu: bool | None = option(None, "one GPU per worker (default: when the cluster has GPUs)")
+    use_gpu: bool | None = option(None, "one GPU per worker (default: when the cluster has one for each worker)")
     cpus_per_worker: int = option(1, "CPUs per worker; also its torch thread count")
     global_batch_size: int = option(64, "samples per optimizer step over all workers")
     grad_accum_steps: int = option(1, "micro-steps accumulated per optimizer step (DDP no_sync)")

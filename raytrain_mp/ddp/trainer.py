@@ -37,7 +37,7 @@ def with_checked_data(cfg: DDPConfig) -> DDPConfig:
 
 def with_cluster_settings(cfg: DDPConfig) -> DDPConfig:
     """``cfg`` with GPU use decided and the request checked against the connected cluster."""
-    use_gpu = resolve_use_gpu(cfg.use_gpu)
+    use_gpu = resolve_use_gpu(cfg.use_gpu, cfg.num_workers, "workers")
     if cfg.precision == "fp16" and not use_gpu:
         raise UsageError("--precision: fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32")
     check_fits("--num-workers", cfg.num_workers, cfg.cpus_per_worker, 1 if use_gpu else 0)

@@ -48,7 +48,7 @@ class PipelineConfig(TrainOptions):
     virtual_stages: int = option(1, "stages per Ray actor for the interleaved schedules: the model is cut into --stages x this")
     microbatches: int = option(4, "micro-batches per batch (m); must divide --global-batch-size")
     global_batch_size: int = option(64, "samples per optimizer step (all micro-batches)", aliases=("batch_size",))
-    use_gpu: bool | None = option(None, "one GPU per stage (default: when the cluster has GPUs)")
+    use_gpu: bool | None = option(None, "one GPU per stage (default: when the cluster has one for each stage)")
     cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
     placement: str = option("STRICT_PACK", "placement group strategy of the stages", PLACEMENTS)
     deferred_bn: bool = option(False, "BatchNorm running statistics committed once per batch (torchgpipe)")

@@ -36,7 +36,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch import Tensor, nn
 
-from raytrain_mp.cluster import reachable
+from raytrain_mp.cluster import reachable, resolve_use_gpu
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
 from raytrain_mp.pipeline.microbatch import check_microbatches
@@ -181,8 +181,8 @@ class PipelineTrainer:
     cuts. Partition: ``split_points`` (block names to cut before, e.g. ``["layer3"]``), or
     ``balance`` ``"params"`` (equal parameter counts) or ``"time"`` (equal forward+backward seconds,
     profiled on one rank's device with the first micro-batch of ``sample_input``). Neither means
-    ``"params"``. ``use_gpu=None`` uses GPUs when the Ray cluster has any (one per rank, NCCL between
-    them; gloo between CPU ranks). A receive that waits longer than ``p2p_timeout_s`` fails the step.
+    ``"params"``. ``use_gpu=None`` uses GPUs when the Ray cluster has one for each rank (NCCL between
+    them; gloo between CPU ranks), else CPUs. A receive that waits longer than ``p2p_timeout_s`` fails the step.
 
     The model itself is left untouched: every rank works on a copy. When Ray is not initialized
     yet, joins ``RAY_ADDRESS`` if set (one error line if nothing answers there) and otherwise
@@ -232,8 +232,7 @@ class PipelineTrainer:
             address = os.environ.get("RAY_ADDRESS")
             ray.init(address=reachable(address, "RAY_ADDRESS") if address else "local")
         nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-        if use_gpu is None:
-            use_gpu = sum(node.get("GPU", 0) for node in nodes) > 0
+        use_gpu = resolve_use_gpu(use_gpu, num_stages, "stages")
         bundle = {"CPU": cpus_per_stage, **({"GPU": 1} if use_gpu else {})}
         check_resources(nodes, num_stages, bundle, placement_strategy)
 

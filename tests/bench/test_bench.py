@@ -60,7 +60,7 @@ def assert_spread(figure: dict) -> None:
 def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
     out = tmp_path / "pipeline"
     summary = run_cli_json(
-        "bench", "pipeline", "--out", str(out), "--model", "resnet18", "--image-size", "16",
+        "bench", "pipeline", "--no-use-gpu", "--out", str(out), "--model", "resnet18", "--image-size", "16",
         "--global-batch-size", "8", "--microbatches", "1,2", "--steps", "1", "--warmup", "0", "--threads", "1",
         "--overhead-microbatches", "8,1", "--overhead-steps", "2", "--overhead-schedules", "gpipe,1f1b,interleaved-1f1b",
     )  # fmt: skip
@@ -73,6 +73,7 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
     assert results["settings"]["microbatches"] == [1, 2]
     local = results["one_process"]
     assert [f["microbatches"] for f in [local["whole_batch"], *local["grad_accum"]]] == [1, 2]
+    assert (local["device"], results["native"]["device"], results["settings"]["use_gpu"]) == ("cpu", "cpu", False)
     assert set(results["layouts"]) == {"fixed", "balanced", "interleaved"}
     expected = {
         "fixed": {("gpipe", 1), ("gpipe", 2), ("1f1b", 2)},
@@ -170,7 +171,7 @@ def assert_native(results: dict) -> None:
 def test_bench_ddp_smoke(ray_session, tmp_path):
     out = tmp_path / "ddp"
     summary = run_cli_json(
-        "bench", "ddp", "--out", str(out), "--image-size", "8", "--batch-size-per-worker", "4",
+        "bench", "ddp", "--no-use-gpu", "--out", str(out), "--image-size", "8", "--batch-size-per-worker", "4",
         "--num-workers", "2", "--steps", "2", "--warmup", "1",
     )  # fmt: skip
     results = json.loads((out / "results.json").read_text())
@@ -183,8 +184,10 @@ def test_bench_ddp_smoke(ray_session, tmp_path):
             assert_spread(run["step_seconds"])
             assert_spread(run["samples_per_second"])
     assert set(results["ours_over_bare"]) == {"2"}
-    assert "data_parallel" in results["not_measured"]
-    assert_figures_positive(results)
+    assert results["one_process"]["device"] == "cpu" and results["settings"]["use_gpu"] is False
+    assert results["data_parallel"] is None
+    assert results["skipped"] == [{"variant": "data_parallel", "reason": "nn.DataParallel runs on CUDA GPUs; this run is on CPUs (--no-use-gpu or no GPU for each worker)"}]
+    assert_figures_positive({k: v for k, v in results.items() if k != "data_parallel"})
 
 
 def test_bench_bad_input(capsys, tmp_path):
@@ -205,3 +208,19 @@ def test_bench_bad_input(capsys, tmp_path):
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--num-workers", "0"), "--num-workers")
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--steps", "0"), "--steps")
     assert_usage_error(run_cli(capsys, "bench", "ddp"), "--out")
+
+
+def test_bench_refuses_gpus_that_are_not_there(capsys, tmp_path):
+    """Decided on this machine's CUDA devices, before anything runs: more stages than GPUs, and
+    (where there is none) any GPU at all."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    stages = str(max(2, gpus + 1))
+    res = run_cli(capsys, "bench", "pipeline", "--use-gpu", "--stages", stages, "--split-points", ",".join(["layer3"] * (int(stages) - 1)),
+                  "--out", str(tmp_path / "p"))  # fmt: skip
+    assert_usage_error(res, f"--use-gpu: {stages} stages need {stages} GPUs (one each: NCCL ranks cannot share a GPU) and this machine has {gpus}")
+    if gpus == 0:
+        res = run_cli(capsys, "bench", "ddp", "--use-gpu", "--out", str(tmp_path / "d"))
+        assert_usage_error(res, "--use-gpu: this machine has no CUDA GPU", "accepted: --no-use-gpu")
+    assert not (tmp_path / "p").exists() and not (tmp_path / "d").exists()

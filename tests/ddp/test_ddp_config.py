@@ -98,8 +98,11 @@ def test_cluster_too_small(ray_session, tmp_path, capsys):
     runs = tmp_path / "runs"
     res = run_cli(capsys, "ddp", "--num-workers", "5", "--global-batch-size", "60", "--storage-path", str(runs))
     assert_usage_error(res, "--num-workers 5 needs 5 CPUs but the Ray cluster has 4", "at most 4")
-    res = run_cli(capsys, "ddp", "--num-workers", "1", "--use-gpu", "--storage-path", str(runs))
-    assert_usage_error(res, "--num-workers 1 needs 1 GPUs but the Ray cluster has 0", "--no-use-gpu")
-    res = run_cli(capsys, "ddp", "--precision", "fp16", "--storage-path", str(runs))
-    assert_usage_error(res, "--precision: fp16 needs CUDA")
+    # one worker more than the cluster has GPUs, whatever machine runs the test
+    gpus = int(ray_session.cluster_resources().get("GPU", 0))
+    more = str(gpus + 1)
+    res = run_cli(capsys, "ddp", "--num-workers", more, "--use-gpu", "--storage-path", str(runs))
+    assert_usage_error(res, f"--num-workers {more} needs {more} GPUs but the Ray cluster has {gpus}", "--no-use-gpu")
+    res = run_cli(capsys, "ddp", "--num-workers", more, "--precision", "fp16", "--storage-path", str(runs))
+    assert_usage_error(res, "--precision: fp16 needs CUDA")  # too few GPUs for each worker: the default picked CPUs
     assert not runs.exists()

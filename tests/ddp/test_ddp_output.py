@@ -20,6 +20,7 @@ OWN_LINES = [
     r"epoch \d+/\d+ train_loss \S+ val_loss \S+ val_accuracy \S+ samples/s \S+ lr \S+",
     r"epoch \d+ step \d+/\d+ loss \S+",
     r"ddp training finished",
+    r"note: \d+ workers need \d+ GPUs \(one each\) and the Ray cluster has \d+; training on CPUs",  # a 1-GPU machine
     r"  \w+: .+",
 ]
 

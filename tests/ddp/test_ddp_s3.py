@@ -21,7 +21,7 @@ def test_ddp_trains_crashes_and_resumes_in_a_bucket(bucket, tmp_path, capsys, mo
     assert run_cli(capsys, "data", "prepare", "digits", "--out", data).code == 0
     storage = join(bucket, "runs")
     marker = tmp_path / "crashed"
-    args = ["ddp", "--data", data, "--storage-path", storage, "--name", "d1", "--num-workers", "2",
+    args = ["ddp", "--no-use-gpu", "--data", data, "--storage-path", storage, "--name", "d1", "--num-workers", "2",
             "--global-batch-size", "256", "--epochs", "2", "--log-every", "0"]  # fmt: skip
     result = run_cli_json(*args, "--max-failures", "1", "--inject-fault", f"1:1:{marker}")
     assert marker.read_text() == "rank 1 crashed after epoch 1\n"

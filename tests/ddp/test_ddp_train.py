@@ -36,7 +36,7 @@ def fp64_runs(ray_session, digits_dir, storage, tmp_path_factory):
         "two_crash": ["--num-workers", "2", "--max-failures", "1", "--inject-fault", f"1:1:{marker}"],
     }
     results = {
-        key: run_cli_json("ddp", "--storage-path", storage, "--name", f"fp64-{key}", *FP64_ARGS, *extra)
+        key: run_cli_json("ddp", "--no-use-gpu", "--storage-path", storage, "--name", f"fp64-{key}", *FP64_ARGS, *extra)
         for key, extra in runs.items()
     }
     results["marker"] = marker
@@ -95,7 +95,7 @@ def one_step_data(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def one_step_runs(one_step_data, storage):
     args = ["--data", one_step_data, "--epochs", "1", "--global-batch-size", "48", "--warmup-epochs", "0",
-            "--lr-decay", "none", "--storage-path", storage, "--log-every", "0"]  # fmt: skip
+            "--lr-decay", "none", "--storage-path", storage, "--log-every", "0", "--no-use-gpu"]  # fmt: skip
     runs = {w: run_cli_json("ddp", *args, "--num-workers", str(w), "--name", f"onestep-{w}") for w in (1, 2, 3)}
     runs["fp64"] = run_cli_json("ddp", *args, "--num-workers", "1", "--precision", "fp64", "--name", "onestep-fp64")
     return runs
@@ -130,7 +130,7 @@ def test_evaluation_counts_every_val_sample_once(one_step_runs):
     assert len(accuracies) == 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: NCCL, native SyncBatchNorm, fp16 GradScaler")
+@pytest.mark.gpu(1)
 def test_gpu_ddp_with_nccl_native_syncbn_and_fp16(digits_dir, storage):
     workers = min(2, torch.cuda.device_count())
     result = run_cli_json(
@@ -139,6 +139,14 @@ def test_gpu_ddp_with_nccl_native_syncbn_and_fp16(digits_dir, storage):
     )  # fmt: skip
     assert result["world_size"] == workers and result["val_count"] == 359
     build_model("resnet18", 10, 1, True).load_state_dict(load_model_pt(result), strict=True)
+
+
+@pytest.mark.gpu(1)
+def test_gpu_fp64_run_equals_the_cpu_run(fp64_runs, storage):
+    """The CUDA path (NCCL group, native SyncBatchNorm on one rank, cuDNN) computes the same
+    training as the CPU path: compared in float64, where TF32 and summation order cannot hide a bug."""
+    gpu = run_cli_json("ddp", "--use-gpu", "--storage-path", storage, "--name", "fp64-gpu", *FP64_ARGS, "--num-workers", "1")
+    assert max_abs_diff(load_model_pt(gpu), load_model_pt(fp64_runs["one"])) < 1e-9
 
 
 def test_checkpoints_are_named_by_epoch_and_the_lr_is_the_last_steps(fp64_runs, digits_dir):
@@ -160,8 +168,8 @@ def test_rerun_of_a_finished_run_prints_its_summary_without_ray(fp64_runs, digit
     import subprocess
 
     done = subprocess.run(
-        ["raytrain-mp", "ddp", "--data", digits_dir, "--storage-path", storage, "--name", "fp64-two", *FP64_ARGS,
-         "--num-workers", "2", "--json"],
+        ["raytrain-mp", "ddp", "--data", digits_dir, "--storage-path", storage, "--name", "fp64-two", "--no-use-gpu",
+         *FP64_ARGS, "--num-workers", "2", "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]

@@ -333,8 +333,8 @@ def test_convert_picks_native_layer_for_cuda_and_portable_elsewhere() -> None:
     assert convert_sync_batchnorm(bare) is bare
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_model_gets_native_sync_batchnorm() -> None:
+@pytest.mark.gpu(1)
+def test_cuda_model_gets_native_sync_batchnorm(no_tf32) -> None:
     model = _perturbed_resnet18().cuda()
     reference = copy.deepcopy(model)
     converted = convert_sync_batchnorm(model)

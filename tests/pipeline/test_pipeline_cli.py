@@ -50,16 +50,18 @@ def test_bad_inputs_before_any_actor(tiny_data, tmp_path, capsys, argv, fragment
 
 
 def test_more_stages_than_gpus(ray_session, tiny_data, tmp_path, capsys):
+    gpus = int(ray_session.cluster_resources().get("GPU", 0))
+    stages = str(max(2, gpus + 1))  # more stages than the cluster has GPUs, whatever machine runs the test
     res = run_cli(capsys, "pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32",
-                  "--use-gpu", "--storage-path", str(tmp_path / "runs"))  # fmt: skip
-    assert_usage_error(res, "--use-gpu", "GPU")
+                  "--stages", stages, "--use-gpu", "--storage-path", str(tmp_path / "runs"))  # fmt: skip
+    assert_usage_error(res, "--use-gpu", f"{stages} stages need {stages} GPU (1 each); the Ray cluster has {gpus}")
 
 
 @pytest.fixture(scope="module")
 def fp64_runs(ray_session, tiny_data, tmp_path_factory):
     storage = str(tmp_path_factory.mktemp("pruns"))
     marker = tmp_path_factory.mktemp("pfault") / "killed"
-    args = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
+    args = ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
             "--microbatches", "4", "--schedule", "1f1b", "--epochs", "2", "--precision", "fp64",
             "--balance", "params", "--storage-path", storage, "--log-every", "0"]  # fmt: skip
     plain = run_cli_json(*args, "--name", "plain")
@@ -100,8 +102,8 @@ def test_rerun_of_a_finished_run_prints_its_summary_and_starts_nothing(fp64_runs
     plain, _, _ = fp64_runs
     storage = str(Path(plain["run"]).parent)
     done = subprocess.run(
-        ["raytrain-mp", "pipeline", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
-         "--epochs", "2", "--storage-path", storage, "--name", "plain", "--json"],
+        ["raytrain-mp", "pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2",
+         "--global-batch-size", "32", "--epochs", "2", "--storage-path", storage, "--name", "plain", "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -120,8 +122,8 @@ def test_resume_keeps_the_saved_split_and_refuses_another(fp64_runs, tiny_data, 
     other = "layer2" if saved != ["layer2.0"] else "layer3"
     storage = tmp_path / "runs"
     shutil.copytree(Path(plain["run"]), storage / "copy")
-    base = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32", "--microbatches", "4",
-            "--precision", "fp64", "--storage-path", str(storage), "--name", "copy", "--epochs", "3", "--log-every", "0"]  # fmt: skip
+    base = ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32",
+            "--microbatches", "4", "--precision", "fp64", "--storage-path", str(storage), "--name", "copy", "--epochs", "3", "--log-every", "0"]  # fmt: skip
     checkpoint = storage / "copy" / "checkpoint_000002"
     where = f"{checkpoint} was trained with 2 stages cut before {','.join(saved)}"
     res = run_cli(capsys, *base, "--split-points", other)

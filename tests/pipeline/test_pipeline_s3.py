@@ -25,7 +25,7 @@ def test_pipeline_checkpoints_and_resumes_in_a_bucket(bucket, tmp_path, monkeypa
     write_dataset(make_synthetic_source(200, 8, 4, 1, 0.2, 11), data)
     storage = join(bucket, "runs")
     marker = tmp_path / "killed"
-    args = ["pipeline", "--data", data, "--stages", "2", "--global-batch-size", "32", "--microbatches", "2",
+    args = ["pipeline", "--no-use-gpu", "--data", data, "--stages", "2", "--global-batch-size", "32", "--microbatches", "2",
             "--storage-path", storage, "--name", "p1", "--log-every", "0"]  # fmt: skip
     first = run_cli_json(*args, "--epochs", "2", "--max-failures", "1", "--inject-fault", f"1:1:{marker}")
     assert marker.read_text() == "killed stage 1 after epoch 1\n"  # restarted from the bucket's checkpoint

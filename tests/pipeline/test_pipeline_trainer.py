@@ -122,6 +122,7 @@ class TestAgainstGradientAccumulation:
         trainer = PipelineTrainer(
             _model(dtype), num_stages, split_points=split[num_stages, virtual] if dtype == torch.float32 else None,
             schedule=SCHEDULES_OF[virtual][0], virtual_stages=virtual, lr=LRS[0], momentum=0.9, weight_decay=0.0,
+            use_gpu=False,
         )  # fmt: skip
         yield Pipeline(trainer, dtype, trainer.state_dict(), trainer.optimizer_state_dicts())
         trainer.shutdown()
@@ -180,7 +181,7 @@ def test_deferred_bn_time_balance_adamw_and_clipping(ray_session: object) -> Non
     # The zero-bubble schedule splits each backward into input and weight gradients: the clipping
     # and the deferred statistics must not care.
     with PipelineTrainer(model, 2, balance="time", sample_input=batches[0][0], deferred_bn=True, num_microbatches=4,
-                         schedule="interleaved-zb", virtual_stages=2, **options) as pipeline:  # fmt: skip
+                         schedule="interleaved-zb", virtual_stages=2, use_gpu=False, **options) as pipeline:  # fmt: skip
         assert all(plan.seconds > 0 for plan in pipeline.plan)
         losses = [pipeline.train_step(x, y) for x, y in batches[:1]]
         # The stem's BatchNorm saw conv1(x) in 4 micro-batches; its running statistics are those
@@ -221,7 +222,7 @@ def _assert_stopped(pipeline: PipelineTrainer, model: nn.Module, x: torch.Tensor
 def test_bf16_step_then_a_raising_stage_is_named_and_every_stage_stopped(ray_session: object) -> None:
     model, x, y = _tiny()
     # One trainer for both (start-up dominates): a plain nn.Sequential under bf16 autocast ...
-    pipeline = PipelineTrainer(model, 2, num_microbatches=2, autocast_bf16=True)
+    pipeline = PipelineTrainer(model, 2, num_microbatches=2, autocast_bf16=True, use_gpu=False)
     assert pipeline.train_step(x, y) == pytest.approx(F.cross_entropy(model(x), y).item(), rel=3e-2)
     # ... then bad batches, refused before any call ...
     with pytest.raises(UsageError, match="need a batch of at least 2 samples, got 1"):
@@ -243,7 +244,7 @@ def test_bf16_step_then_a_raising_stage_is_named_and_every_stage_stopped(ray_ses
 
 def test_a_killed_stage_is_named(ray_session: object) -> None:
     model, x, y = _tiny()
-    with PipelineTrainer(model, 2, num_microbatches=2) as pipeline:
+    with PipelineTrainer(model, 2, num_microbatches=2, use_gpu=False) as pipeline:
         pipeline.train_step(x, y)
         ray.kill(pipeline.actor(0))
         with pytest.raises(StageFailedError) as info:
@@ -258,7 +259,7 @@ def test_a_killed_stage_is_named(ray_session: object) -> None:
 
 def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) -> None:
     model, x, y = _tiny()
-    with PipelineTrainer(model, 2, num_microbatches=2, p2p_timeout_s=3) as pipeline:
+    with PipelineTrainer(model, 2, num_microbatches=2, p2p_timeout_s=3, use_gpu=False) as pipeline:
         pipeline.train_step(x, y)
         pid = ray.get(pipeline.actor(1).__ray_call__.remote(lambda worker: os.getpid()))
         os.kill(pid, signal.SIGSTOP)  # alive, but it never answers again
@@ -295,7 +296,6 @@ def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) 
         ({"virtual_stages": 0}, "virtual_stages: must be >= 1, got 0"),
         ({"p2p_timeout_s": 0}, "p2p_timeout_s: must be > 0 seconds, got 0"),
         ({"cpus_per_stage": 0}, "cpus_per_stage: must be a whole number >= 1, got 0"),
-        ({"use_gpu": True}, "use_gpu: 2 stages need 2 GPU (1 each); the Ray cluster has 0"),
         ({"cpus_per_stage": 3}, "cpus_per_stage: 2 stages need 6 CPU (3 each); the Ray cluster has 4"),
         ({"placement_strategy": "RANDOM"},
          "placement_strategy: unknown strategy 'RANDOM'; accepted: STRICT_PACK, PACK, SPREAD, STRICT_SPREAD"),
@@ -304,9 +304,6 @@ def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) 
 def test_bad_input_fails_before_any_actor(
     ray_session: object, monkeypatch: pytest.MonkeyPatch, kwargs: dict, message: str
 ) -> None:
-    if kwargs == {"use_gpu": True} and torch.cuda.is_available():
-        pytest.skip("this machine has GPUs")
-
     def no_placement(*args: object, **kw: object) -> None:
         raise AssertionError("a placement group was requested before validation finished")
 
@@ -315,6 +312,14 @@ def test_bad_input_fails_before_any_actor(
     with pytest.raises(UsageError) as info:
         PipelineTrainer(build_model("resnet18", 10, in_channels=1, small_stem=True), **kwargs)
     assert str(info.value) == message
+
+
+def test_more_stages_than_gpus_fails_before_any_actor(ray_session: object) -> None:
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    stages = max(2, gpus + 1)  # whatever machine runs the test
+    with pytest.raises(UsageError) as info:
+        PipelineTrainer(build_model("resnet18", 10, in_channels=1, small_stem=True), stages, use_gpu=True)
+    assert str(info.value) == f"use_gpu: {stages} stages need {stages} GPU (1 each); the Ray cluster has {gpus}"
 
 
 @pytest.mark.parametrize(
@@ -351,7 +356,7 @@ def test_placement_checks() -> None:
     assert str(info.value) == "use_gpu: 5 stages need 5 GPU (1 each); the Ray cluster has 4"
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: 2 GPUs")
+@pytest.mark.gpu(2)  # NCCL needs a GPU per rank
 def test_gpu_stages_over_nccl_equal_gradient_accumulation(ray_session: object) -> None:
     if ray.cluster_resources().get("GPU", 0) < 2:
         pytest.skip("the Ray session sees fewer than 2 GPUs")

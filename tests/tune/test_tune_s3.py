@@ -21,7 +21,7 @@ def test_sweep_writes_its_outputs_into_the_bucket_and_resumes_from_it(bucket, tm
     write_dataset(make_synthetic_source(200, 8, 4, 1, 0.2, 11), data)
     storage = join(bucket, "sweeps")
     result = run_cli_json(
-        "tune", "--data", str(data), "--global-batch-sizes", "32", "--base-lrs", "0.05,0.1", "--epochs", "1",
+        "tune", "--no-use-gpu", "--data", str(data), "--global-batch-sizes", "32", "--base-lrs", "0.05,0.1", "--epochs", "1",
         "--scheduler", "none", "--num-workers", "1", "--storage-path", storage, "--name", "lr", "--log-every", "0",
     )  # fmt: skip
     experiment = locate(storage, "--storage-path").child("lr")

@@ -96,7 +96,7 @@ def sweep(small_digits, tmp_path_factory):
     storage = tmp_path_factory.mktemp("sweeps")
     experiment = storage / "lr"
     argv = [
-        "tune", "--data", small_digits, "--global-batch-sizes", ",".join(map(str, BATCHES)),
+        "tune", "--no-use-gpu", "--data", small_digits, "--global-batch-sizes", ",".join(map(str, BATCHES)),
         "--base-lrs", ",".join(map(str, LRS)), "--epochs", str(EPOCHS), "--scheduler", "asha",
         "--num-workers", "1", "--storage-path", str(storage), "--name", "lr", "--log-every", "0",
         "--seed", "1",
@@ -172,8 +172,8 @@ def test_sweep_plot_and_best_yaml(sweep, small_digits):
     assert (cfg.base_lr, cfg.global_batch_size, cfg.epochs, cfg.num_workers, cfg.seed) == (
         best["base_lr"], best["global_batch_size"], EPOCHS, 1, 1,
     )  # fmt: skip
-    # What the sweep chose and the user gave, not this machine: no resolved use_gpu, no storage.
-    assert (cfg.data, cfg.name, cfg.use_gpu, cfg.storage_path) == (small_digits, None, None, DDPConfig.storage_path)
+    # What the sweep chose and the user gave (--no-use-gpu), not this machine: no storage.
+    assert (cfg.data, cfg.name, cfg.use_gpu, cfg.storage_path) == (small_digits, None, False, DDPConfig.storage_path)
 
 
 def test_ddp_runs_the_best_yaml(sweep, tmp_path):
@@ -190,10 +190,13 @@ def test_ddp_runs_the_best_yaml(sweep, tmp_path):
     [
         (["--num-workers", "4"], ["--num-workers 4: a trial needs 5 CPUs (1 for its driver + 4 x --cpus-per-worker 1)", "has 4", "at most 3 workers"]),
         (["--num-workers", "1", "--max-concurrent-trials", "3"], ["--max-concurrent-trials: 3 trials do not fit", "at most 2"]),
-        (["--num-workers", "1", "--use-gpu"], ["--num-workers 1: a trial needs 1 GPUs but the Ray cluster has 0"]),
+        (["--num-workers", "{gpus+1}", "--use-gpu"], ["--num-workers {gpus+1}: a trial needs {gpus+1} GPUs but the Ray cluster has {gpus}"]),
     ],
 )
-def test_trials_larger_than_the_cluster(small_digits, tmp_path, capsys, argv, fragments):
+def test_trials_larger_than_the_cluster(ray_session, small_digits, tmp_path, capsys, argv, fragments):
+    # "{gpus+1}": one worker more than the cluster has GPUs, whatever machine runs the test
+    gpus = int(ray_session.cluster_resources().get("GPU", 0))
+    argv, fragments = ([text.format_map({"gpus": gpus, "gpus+1": gpus + 1}) for text in texts] for texts in (argv, fragments))
     runs = tmp_path / "runs"
     res = run_cli(capsys, "tune", "--data", small_digits, "--storage-path", str(runs), "--global-batch-sizes", "64", *argv)
     assert_usage_error(res, *fragments)
@@ -203,7 +206,7 @@ def test_trials_larger_than_the_cluster(small_digits, tmp_path, capsys, argv, fr
 def test_a_failed_trial_is_recorded(small_digits, tmp_path):
     marker = tmp_path / "crashed"
     code, out = run_cli_result(
-        "tune", "--data", small_digits, "--global-batch-sizes", "64", "--base-lrs", "0.1", "--epochs", "2",
+        "tune", "--no-use-gpu", "--data", small_digits, "--global-batch-sizes", "64", "--base-lrs", "0.1", "--epochs", "2",
         "--scheduler", "none", "--num-workers", "1", "--storage-path", str(tmp_path), "--name", "fails",
         "--log-every", "0", "--inject-fault", f"0:1:{marker}",
     )  # fmt: skip

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Everything GPU-related, on whatever CUDA GPUs this machine has, in one command:
+#   scripts/gpu_check.sh [OUT]        (OUT defaults to ./gpu_check)
+# Steps: the tests marked `gpu` (NCCL DDP, native SyncBatchNorm, fp16, NCCL pipeline stages; each
+# skips with its reason where there are too few GPUs), the main job on one GPU, `bench ddp` and
+# `bench pipeline` on GPUs (nn.DataParallel and the pipeline need 2+), and the data path's GPU check
+# when it exists. Each step's output goes to OUT/STEP.log; OUT/gpu_check.json is the report:
+# per step the command, exit code, seconds, status (passed, failed, skipped) and the reason of a
+# skip. Budget: under 8 minutes on one GPU with 16 CPU cores. Exit code 1 when a step failed.
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-gpu_check}
+mkdir -p "$out"
+steps="$out/steps.tsv"
+: >"$steps"
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+cpus=$(python -c "import os; print(os.cpu_count())")
+
+# step NAME TIMEOUT_S COMMAND...: run it, log it, record "name rc seconds status reason command"
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local started=$SECONDS rc status=passed why=""
+    echo "== $name: $*"
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    [ "$rc" -ne 0 ] && status=failed
+    [ "$rc" -eq 124 ] && why="timed out after $limit s"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" "$status" "$why" "$*" >>"$steps"
+    tail -n 3 "$out/$name.log"
+}
+
+# skipped NAME REASON COMMAND...: record a step that cannot run on this machine, and why
+skipped() {
+    local name=$1 reason=$2
+    shift 2
+    echo "== $name: skipped, $reason"
+    printf '%s\t\t0\tskipped\t%s\t%s\n' "$name" "$reason" "$*" >>"$steps"
+}
+
+step tests 300 python -m pytest -m gpu -q -rs -p no:cacheprovider tests
+if [ "$gpus" -ge 1 ]; then
+    step main_job_1_gpu 180 raytrain-mp ddp --use-gpu --num-workers 1 --epochs 1 --storage-path "$out/runs" --name main-gpu --json
+    workers=$([ "$gpus" -ge 2 ] && echo 1,2 || echo 1)
+    step bench_ddp 240 raytrain-mp bench ddp --use-gpu --num-workers "$workers" --cpus-per-worker 2 --batch-size-per-worker 128 \
+        --steps 20 --warmup 5 --out "$out/bench_ddp"
+else
+    skipped main_job_1_gpu "no CUDA GPU" raytrain-mp ddp --use-gpu --num-workers 1
+    skipped bench_ddp "no CUDA GPU" raytrain-mp bench ddp --use-gpu
+fi
+if [ "$gpus" -ge 2 ]; then
+    step bench_pipeline 300 raytrain-mp bench pipeline --use-gpu --stages 2 --cpus-per-stage 2 --threads 4 --microbatches 2,4,8 \
+        --steps 5 --warmup 2 --out "$out/bench_pipeline"
+else
+    skipped bench_pipeline "2 stages need 2 GPUs (one each); this machine has $gpus" raytrain-mp bench pipeline --use-gpu --stages 2
+fi
+if [ -f scripts/gpu_check_data.py ]; then
+    step data_path 240 python scripts/gpu_check_data.py --out "$out/data_path"
+fi
+
+python - "$out" "$gpus" "$cpus" <<'EOF'
+import json, sys
+from pathlib import Path
+
+out, gpus, cpus = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+keys = ("name", "returncode", "seconds", "status", "reason", "command")
+steps = [dict(zip(keys, line.split("\t"))) for line in (out / "steps.tsv").read_text().splitlines()]
+for s in steps:
+    s["returncode"] = int(s["returncode"]) if s["returncode"] else None
+    s["seconds"] = int(s["seconds"])
+    s["log"] = str(out / f"{s['name']}.log") if s["status"] != "skipped" else None
+report = {"cuda_gpus": gpus, "cpu_count": cpus, "passed": all(s["status"] != "failed" for s in steps), "steps": steps}
+(out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+print(json.dumps({"report": str(out / "gpu_check.json"), "passed": report["passed"],
+                  "steps": {s["name"]: s["status"] for s in steps}}))
+sys.exit(0 if report["passed"] else 1)
+EOF

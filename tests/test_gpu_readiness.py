@@ -1,0 +1,84 @@
+"""On a GPU box the suite means what it means here: CPU tests pin the CPU, GPU tests skip or run.
+
+The check fakes "a cluster with 1 GPU" on this CPU machine: a pytest run in a child process whose
+session Ray advertises one GPU (``RAYTRAIN_MP_TEST_RAY_GPUS=1``, see ``conftest.py``) while torch
+sees no CUDA device. Nothing there may touch CUDA: CPU tests must pick the CPU although the cluster
+offers a GPU (an automatic choice would put a 1-GPU rank on CUDA and fail), the messages about too
+few GPUs must count the cluster's one, and GPU tests must skip with their reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# CPU tests that each resolve a device against the cluster, and one GPU test.
+ON_A_FAKE_GPU_CLUSTER = [
+    "tests/test_gpu_readiness.py::test_the_session_ray_advertises_the_gpus_it_is_given",
+    "tests/ddp/test_ddp_config.py::test_cluster_too_small",
+    "tests/pipeline/test_pipeline_cli.py::test_more_stages_than_gpus",
+    "tests/pipeline/test_pipeline_trainer.py::test_more_stages_than_gpus_fails_before_any_actor",
+    "tests/pipeline/test_pipeline_trainer.py::test_a_killed_stage_is_named",
+    "tests/tune/test_tune_sweep.py::test_trials_larger_than_the_cluster",
+    "tests/bench/test_bench.py::test_bench_refuses_gpus_that_are_not_there",
+    "tests/bench/test_bench.py::test_bench_ddp_smoke",
+    "tests/ddp/test_sync_batchnorm.py::test_cuda_model_gets_native_sync_batchnorm",
+]
+
+
+def test_the_session_ray_advertises_the_gpus_it_is_given(ray_session) -> None:
+    import torch
+
+    want = int(os.environ.get("RAYTRAIN_MP_TEST_RAY_GPUS") or torch.cuda.device_count())
+    assert ray_session.cluster_resources().get("GPU", 0) == want
+
+
+@pytest.mark.slow  # a child pytest session with its own Ray, a pipeline and a Ray Train fit
+@pytest.mark.skipif(bool(os.environ.get("RAYTRAIN_MP_TEST_RAY_GPUS")), reason="already inside the fake-GPU session")
+def test_cpu_tests_pick_the_cpu_on_a_cluster_that_advertises_a_gpu(tmp_path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA GPUs: the fake must be a cluster whose GPU torch cannot use")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAYTRAIN_MP_TEST_RAY_GPUS"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t"), *ON_A_FAKE_GPU_CLUSTER],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-5000:]
+    # every CPU test passed (parametrized ones count each case) and the GPU test skipped, saying why
+    passed = int(re.search(r"(\d+) passed", out).group(1))
+    assert passed >= len(ON_A_FAKE_GPU_CLUSTER) - 1 and not re.search(r"\d+ failed", out), out[-3000:]
+    assert re.search(r"SKIPPED \[1\] tests/ddp/test_sync_batchnorm\.py:\d+: needs 1 CUDA GPU\(s\); this machine has 0", out), out[-3000:]
+    assert "1 skipped" in out
+
+
+@pytest.mark.slow  # a child pytest that collects the whole suite
+def test_gpu_check_reports_what_it_ran_and_what_it_skipped(tmp_path) -> None:
+    import json
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA GPUs: the GPU check runs for real there (minutes)")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert (report["cuda_gpus"], report["passed"]) == (0, True)
+    steps = {step["name"]: step for step in report["steps"]}
+    assert (steps["tests"]["status"], steps["tests"]["returncode"]) == ("passed", 0)
+    assert re.search(r"\d+ skipped", (tmp_path / "out" / "tests.log").read_text())  # the gpu tests, each with its reason
+    for name in ("main_job_1_gpu", "bench_ddp"):
+        assert (steps[name]["status"], steps[name]["reason"]) == ("skipped", "no CUDA GPU"), name
+    assert steps["bench_pipeline"]["reason"] == "2 stages need 2 GPUs (one each); this machine has 0"
+    assert json.loads(done.stdout.strip().splitlines()[-1])["passed"] is True
