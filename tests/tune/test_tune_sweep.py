@@ -188,8 +188,8 @@ def test_ddp_runs_the_best_yaml(sweep, tmp_path):
 @pytest.mark.parametrize(
     "argv, fragments",
     [
-        (["--num-workers", "4"], ["--num-workers 4: a trial needs 5 CPUs (1 for its driver + 4 x --cpus-per-worker 1)", "has 4", "at most 3 workers"]),
-        (["--num-workers", "1", "--max-concurrent-trials", "3"], ["--max-concurrent-trials: 3 trials do not fit", "at most 2"]),
+        (["--num-workers", "4", "--no-use-gpu"], ["--num-workers 4: a trial needs 5 CPUs (1 for its driver + 4 x --cpus-per-worker 1)", "has 4", "at most 3 workers"]),
+        (["--num-workers", "1", "--max-concurrent-trials", "3", "--no-use-gpu"], ["--max-concurrent-trials: 3 trials do not fit", "at most 2"]),
         (["--num-workers", "{gpus+1}", "--use-gpu"], ["--num-workers {gpus+1}: a trial needs {gpus+1} GPUs but the Ray cluster has {gpus}"]),
     ],
 )
