@@ -172,14 +172,15 @@ def test_sweep_plot_and_best_yaml(sweep, small_digits):
     assert (cfg.base_lr, cfg.global_batch_size, cfg.epochs, cfg.num_workers, cfg.seed) == (
         best["base_lr"], best["global_batch_size"], EPOCHS, 1, 1,
     )  # fmt: skip
-    # What the sweep chose and the user gave (--no-use-gpu), not this machine: no storage.
-    assert (cfg.data, cfg.name, cfg.use_gpu, cfg.storage_path) == (small_digits, None, False, DDPConfig.storage_path)
+    # What the sweep chose and the user gave, not this machine: no use_gpu (the sweep's --no-use-gpu
+    # is machine state), no storage.
+    assert (cfg.data, cfg.name, cfg.use_gpu, cfg.storage_path) == (small_digits, None, None, DDPConfig.storage_path)
 
 
 def test_ddp_runs_the_best_yaml(sweep, tmp_path):
     resumed = sweep["resumed"]
     out = run_cli_json(
-        "ddp", "--config", resumed["best_yaml"], "--epochs", "1", "--storage-path", str(tmp_path), "--name", "best"
+        "ddp", "--config", resumed["best_yaml"], "--no-use-gpu", "--epochs", "1", "--storage-path", str(tmp_path), "--name", "best"
     )
     assert out["global_batch_size"] == resumed["best"]["global_batch_size"] and out["epochs"] == 1
     assert out["world_size"] == 1 and out["val_count"] == 200
