@@ -156,9 +156,9 @@ def test_replicas_survive_a_killed_actor_and_a_change_of_replicas(fp64_runs, tin
     whose actor of replica 1, stage 0 is killed after epoch 1 and rebuilt from the checkpoint, and
     one trained with 1 replica for epoch 1 and resumed with 2 for epoch 2."""
     plain, _, _ = fp64_runs
-    marker = tmp_path / "killed"
+    marker = tmp_path / "fault-marker"
     args = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
-            "--schedule", "1f1b", "--precision", "fp64", "--balance", "params", "--storage-path", str(tmp_path),
+            "--schedule", "1f1b", "--precision", "fp64", "--balance", "params", "--storage-path", str(tmp_path / "runs"),
             "--log-every", "0"]  # fmt: skip
     killed = run_cli_json(*args, "--name", "killed", "--epochs", "2", "--replicas", "2", "--microbatches", "2",
                           "--max-failures", "1", "--inject-fault", f"2:1:{marker}")  # fmt: skip
