@@ -174,6 +174,26 @@ def _tiny() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), torch.randn(8, 4), torch.randint(0, 3, (8,))
 
 
+def test_interleaved_replicas_on_an_mlp(ray_session: object) -> None:
+    """Replicas of an interleaved pipeline (2 stages x 2 virtual stages each): the schedule's
+    point-to-point traffic stays inside each replica's group."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    model = model.double()
+    generator = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(16, 4, generator=generator, dtype=torch.float64), torch.randint(0, 3, (16,), generator=generator))
+               for _ in range(2)]  # fmt: skip
+    with PipelineTrainer(model, 2, num_replicas=2, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=2,
+                         lr=0.1, momentum=0.9, weight_decay=0.0) as pipeline:  # fmt: skip
+        losses = [pipeline.train_step(x, y) for x, y in batches]
+        state = pipeline.state_dict(1)
+    reference = copy.deepcopy(model)
+    optimizer = build_optimizer(reference.parameters(), "sgd", 0.1, 0.9, 0.0)
+    want = [_accumulate(reference, optimizer, x, y, 8) for x, y in batches]
+    assert losses == pytest.approx(want, rel=1e-12)
+    _assert_state_close(state, reference.state_dict(), 1e-12)
+
+
 def test_bad_replicas_fail_before_any_actor(ray_session: object) -> None:
     model, _, _ = _tiny()
     actors_before = len(ray.util.list_named_actors(all_namespaces=True)), len(ray.util.placement_group_table())
