@@ -51,14 +51,14 @@ FIELD_GROUPS = {
     **dict.fromkeys(("epochs", "base_lr", "base_batch", "lr_rule", "warmup_epochs", "lr_decay", "step_epochs",
                      "gamma", "optimizer", "momentum", "weight_decay", "global_batch_size", "batch_size_per_worker",
                      "grad_accum_steps", "clip_grad_norm", "lr", "seed"), "optimization"),
-    **dict.fromkeys(("address", "num_workers", "use_gpu", "cpus_per_worker", "placement", "stages", "split_points",
+    **dict.fromkeys(("address", "num_workers", "use_gpu", "cpus_per_worker", "placement", "stages", "replicas", "split_points",
                      "balance", "schedule", "virtual_stages", "microbatches", "cpus_per_stage", "bucket_cap_mb", "threads",
                      "balanced", "interleaved", "balance_microbatches"), "distribution"),
     **dict.fromkeys(("storage_path", "name", "checkpoint_every", "num_to_keep", "max_failures", "resume_from",
                      "resume"), "checkpoints"),
     **dict.fromkeys(("base_lrs", "lr_min", "lr_max", "global_batch_sizes", "optimizers", "warmup_epochs_grid",
                      "scheduler", "metric", "grace_period", "reduction_factor", "max_concurrent_trials"), "sweep"),
-    **dict.fromkeys(("steps", "warmup"), "benchmark"),
+    **dict.fromkeys(("steps", "warmup", "hybrid", "hybrid_workers", "hybrid_microbatches"), "benchmark"),
     **dict.fromkeys(("out", "log_every", "verbose", "inject_fault"), "output"),
 }  # fmt: skip
 

@@ -1,5 +1,6 @@
 """Two Ray nodes on one machine (``ray.cluster_utils.Cluster``, 2 CPUs each): DDP workers spread
-over both, pipeline stages packed onto one, and a worker node lost in the middle of a run.
+over both, pipeline stages packed onto one, two pipeline replicas one per node, and a worker node
+lost in the middle of a run.
 
 The commands run as subprocesses joined with ``--address``, as a user's would; the test session's
 own local Ray is untouched. Nodes share the IP, so placement is read from Ray node ids.
@@ -128,3 +129,19 @@ def test_ddp_spread_over_two_nodes_survives_losing_one(digits_dir, tmp_path):
     assert result["val_count"] == 359 and result["val_accuracy"] > 0.8
     model = build_model("resnet18", 10, in_channels=1, small_stem=True)
     model.load_state_dict(torch.load(result["model"], weights_only=True), strict=True)
+
+
+def test_pipeline_replicas_pack_their_stages_and_spread_over_the_nodes(two_nodes, digits_dir, tmp_path):
+    """--replicas 2 --stages 2 on 2 nodes of 2 CPUs: each replica's stages on one node (STRICT_PACK,
+    activations never cross nodes), the replicas on different nodes (only gradients do)."""
+    result, out = run(command(
+        two_nodes, "pipeline", "--no-use-gpu", "--data", digits_dir, "--model", "resnet18", "--stages", "2", "--replicas", "2",
+        "--microbatches", "2", "--balance", "params", "--global-batch-size", "256", "--epochs", "1",
+        "--storage-path", str(tmp_path),
+    ))  # fmt: skip
+    nodes = [{actor["node_id"] for actor in result["actors"] if actor["replica"] == replica} for replica in (0, 1)]
+    assert [len(replica_nodes) for replica_nodes in nodes] == [1, 1] and nodes[0] != nodes[1]
+    assert result["num_nodes"] == 2 and result["num_replicas"] == 2
+    for replica, (node,) in enumerate(nodes):
+        assert f"replica {replica}: stage 0 on node {node[:8]}, stage 1 on node {node[:8]}" in out
+    assert Path(result["model"]).is_file() and result["val_count"] == 359

@@ -98,6 +98,9 @@ class BenchPipelineConfig:
         SCHEDULES, f"overhead case: schedules to sweep (interleaved ones with 2 stages per actor), of {', '.join(SCHEDULES)}", group="benchmark"
     )
     overhead_steps: int = option(20, "overhead case: timed steps per figure (after a few untimed ones)", group="benchmark")
+    hybrid: bool = option(True, "also time data x pipeline layouts of --hybrid-workers actors: --replicas R x --stages S = k")
+    hybrid_workers: int = option(2, "hybrid case: stage actors k of every layout (R=k S=1 data parallel ... R=1 S=k pipeline)")
+    hybrid_microbatches: int = option(4, "hybrid case: micro-batches of a whole step (R x m), the same in every layout")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
     verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
     json: bool = False
@@ -130,6 +133,13 @@ class BenchPipelineConfig:
             f"each m must be between 1 and --overhead-batch-size {self.overhead_batch_size}, got {bad}",
         )
         check(self.overhead_steps >= 1, "overhead_steps", f"must be >= 1, got {self.overhead_steps}")
+        check(self.hybrid_workers >= 1, "hybrid_workers", f"must be >= 1, got {self.hybrid_workers}")
+        check(
+            self.hybrid_microbatches % self.hybrid_workers == 0 and self.global_batch_size % self.hybrid_microbatches == 0,
+            "hybrid_microbatches",
+            f"must be a multiple of --hybrid-workers {self.hybrid_workers} that divides --global-batch-size "
+            f"{self.global_batch_size}, got {self.hybrid_microbatches}",
+        )
         check(len(self.overhead_schedules) >= 1, "overhead_schedules", f"give at least one of {', '.join(SCHEDULES)}")
         unknown = [s for s in self.overhead_schedules if s not in SCHEDULES]
         check(not unknown, "overhead_schedules", f"unknown schedule(s) {unknown}; accepted: {', '.join(SCHEDULES)}")

@@ -36,6 +36,12 @@ overhead case):
   (``schedule.ideal_bubble``: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved);
   ``summary.overhead_native_over_ours`` is that ratio per schedule at m=8; ``overhead.png``
   plots milliseconds per step against m.
+- the hybrid case (``--hybrid``, on by default), data x pipeline: for k = ``--hybrid-workers``
+  stage actors, every layout of R replicas x S stages with R x S = k, from pure data parallel
+  (R=k, S=1) to pure pipeline (R=1, S=k), on the same model and global batch as the ResNet
+  figures, GPipe over R x m = ``--hybrid-microbatches`` micro-batches (the same step in every
+  layout), stages cut by parameter count (``results["hybrid"]``, ``summary.hybrid_seconds``);
+  GPU stages where the cluster has GPUs.
 
 Devices: ``--use-gpu`` (the default where this machine has a GPU for each stage) puts every stage
 actor and native rank on its own GPU (NCCL between them) and the references on GPU 0; with fewer
@@ -284,10 +290,11 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
         "bubble_fraction": summarize([s["bubble_fraction"] for s in measured]),
         "rank_step_seconds": summarize([s["rank_seconds_per_step"] for s in measured]),
     }
+    # With replicas, busy has one entry per actor; the formulas are about one pipeline (replica 0's).
     if schedule in FORMULA_SCHEDULES:
-        run["bubble_formula"] = ideal_bubble(schedule, len(busy), m, trainer.virtual_stages)
+        run["bubble_formula"] = ideal_bubble(schedule, trainer.num_stages, m, trainer.virtual_stages)
     if schedule in FLAT_SCHEDULES:
-        run["bubble_for_stage_times"] = bubble_for_stage_times([b["median"] for b in busy], m)
+        run["bubble_for_stage_times"] = bubble_for_stage_times([b["median"] for b in busy[: trainer.num_stages]], m)
     return run
 
 
@@ -377,6 +384,37 @@ def overhead_runs(cfg: BenchPipelineConfig) -> dict[str, Any]:
         runs += [{**run, "virtual_stages": virtual} for run in done]
         skipped += refused
     return {"layouts": layouts, "runs": runs, "skipped": skipped}
+
+
+def hybrid_layouts(workers: int) -> list[tuple[int, int]]:
+    """(replicas, stages) of every way to run ``workers`` stage actors: pure data parallel first,
+    pure pipeline last."""
+    return [(workers // stages, stages) for stages in range(1, workers + 1) if workers % stages == 0]
+
+
+def hybrid_runs(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Any]:
+    """The data x pipeline question for k = ``--hybrid-workers`` actors: every R x S = k layout,
+    GPipe over R x m = ``--hybrid-microbatches`` micro-batches of the same global batch (so every
+    layout computes the same step), stages cut by parameter count."""
+    total = cfg.hybrid_microbatches
+    runs = []
+    for replicas, stages in hybrid_layouts(cfg.hybrid_workers):
+        m = total // replicas
+        with PipelineTrainer(
+            model, stages, balance="params", num_replicas=replicas, num_microbatches=m, lr=LR, momentum=MOMENTUM,
+            weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage, use_gpu=cfg.use_gpu,
+        ) as trainer:  # fmt: skip
+            sweep = Sweep(f"hybrid R={replicas} x S={stages} ", "s", ("gpipe",), (m,), cfg.warmup, cfg.steps)
+            (run,), _ = sweep_runs(trainer, x, y, sweep)
+            nodes = len(set(trainer.nodes))
+        samples = cfg.global_batch_size / run["step_seconds"]["median"]
+        runs.append({"replicas": replicas, "stages": stages, "nodes": nodes, "samples_per_second": samples, **run})
+    return {"workers": cfg.hybrid_workers, "microbatches": total, "runs": runs}
+
+
+def hybrid_seconds(hybrid: dict[str, Any]) -> dict[str, float]:
+    """``summary.hybrid_seconds``: median step seconds per layout, keyed ``R{replicas}xS{stages}``."""
+    return {f"R{run['replicas']}xS{run['stages']}": run["step_seconds"]["median"] for run in hybrid["runs"]}
 
 
 def native_settings(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -588,10 +626,11 @@ def plot_overhead(path: Path, cfg: BenchPipelineConfig, overhead: dict[str, Any]
 
 def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     """Measure every variant on the connected Ray cluster; write results.json and the plots."""
-    cfg = dataclasses.replace(cfg, use_gpu=bench_use_gpu(cfg.use_gpu, cfg.stages))
-    if cfg.use_gpu and torch.cuda.device_count() < cfg.stages:
+    actors = max(cfg.stages, cfg.hybrid_workers if cfg.hybrid else 0)
+    cfg = dataclasses.replace(cfg, use_gpu=bench_use_gpu(cfg.use_gpu, actors))
+    if cfg.use_gpu and torch.cuda.device_count() < actors:
         raise UsageError(
-            f"--use-gpu: {cfg.stages} stages need {cfg.stages} GPUs (one each: NCCL ranks cannot share a GPU) and this machine "
+            f"--use-gpu: {actors} stages need {actors} GPUs (one each: NCCL ranks cannot share a GPU) and this machine "
             f"has {torch.cuda.device_count()}, where the native peer's ranks run; accepted: --no-use-gpu"
         )
     started = time.perf_counter()
@@ -601,6 +640,7 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     local = in_fresh_process(one_process, cfg, model, x, y)
     layouts = {"fixed": layout_runs(cfg, model, x, y, cfg.split_points, cfg.sweep)}
     ours_overhead = overhead_runs(cfg) if cfg.overhead else None
+    hybrid = hybrid_runs(cfg, model, x, y) if cfg.hybrid else None
     native, native_overhead = native_runs(cfg, layouts["fixed"]["plan"])
     if cfg.balanced:
         layouts["balanced"] = layout_runs(cfg, model, x, y, None, sorted(cfg.microbatches), schedules=("gpipe",))
@@ -628,6 +668,9 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
         results["summary"]["overhead_native_over_ours"] = overhead_ratios(results["overhead"])
         plots.append(out / "overhead.png")
         plot_overhead(plots[-1], cfg, results["overhead"])
+    if hybrid is not None:
+        results["hybrid"] = hybrid
+        results["summary"]["hybrid_seconds"] = hybrid_seconds(hybrid)
     results["elapsed_seconds"] = time.perf_counter() - started
     path = write_results(out, results)
     return {"results": str(path), "plots": [str(plot) for plot in plots], **results["summary"]}

@@ -1,8 +1,10 @@
 """Pipelined model parallelism: a model cut into stages, one Ray actor each, run by a schedule.
 
 Pure pieces (no Ray): ``blocks`` (model -> named blocks), ``partition`` (blocks -> stages),
-``schedule`` (names, limits, ideal bubbles), ``microbatch`` (batch -> micro-batches), ``deferred_bn``. Ray pieces:
-``stage`` (one rank's actor body, running torch.distributed.pipelining's schedules), ``trainer`` (``PipelineTrainer``, the driver) and ``run`` (the
+``schedule`` (names, limits, ideal bubbles), ``microbatch`` (batch -> micro-batches), ``deferred_bn``, ``replicas``
+(data x pipeline: rank layout, batch shares, replica placement, BatchNorm merge weights). Ray pieces:
+``stage`` (one rank's actor body, running torch.distributed.pipelining's schedules), ``replica_sync`` (what a
+stage's replicas all-reduce after each step), ``trainer`` (``PipelineTrainer``, the driver) and ``run`` (the
 ``raytrain-mp pipeline`` training run over epochs); ``config`` holds its ``PipelineConfig``.
 
 May import: the shared layer (``raytrain_mp.config``, ``checkpointing``, ``cluster``, ``storage``, ``errors``,

@@ -17,6 +17,7 @@ from raytrain_mp.pipeline.schedule import SCHEDULES, check_schedule
 # PipelineTrainer's errors name its Python arguments; on the command line they are these flags.
 FLAG_OF_ARGUMENT = {
     "num_stages": "--stages",
+    "num_replicas": "--replicas",
     "split_points": "--split-points",
     "num_microbatches": "--microbatches",
     "virtual_stages": "--virtual-stages",
@@ -42,11 +43,12 @@ PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
 class PipelineConfig(TrainOptions):
     precision: str = option("fp32", "fp32 | bf16 (autocast) | fp64 (verification)", ("fp32", "bf16", "fp64"))
     stages: int = option(2, "pipeline stages, one Ray actor each")
+    replicas: int = option(1, "data-parallel copies of the pipeline, each on its share of every batch: --replicas x --stages actors")
     split_points: list | None = option(None, "cut before these modules, e.g. layer3 (the seeds' split); overrides --balance")
     balance: str = option("time", "cut stages by measured time, parameter count, or none (= params)", BALANCES)
     schedule: str = option("gpipe", "pipeline schedule (torch.distributed.pipelining's)", SCHEDULES)
     virtual_stages: int = option(1, "stages per Ray actor for the interleaved schedules: the model is cut into --stages x this")
-    microbatches: int = option(4, "micro-batches per batch (m); must divide --global-batch-size")
+    microbatches: int = option(4, "micro-batches per batch (m) of each replica; --replicas x m must divide --global-batch-size")
     global_batch_size: int = option(64, "samples per optimizer step (all micro-batches)", aliases=("batch_size",))
     use_gpu: bool | None = option(None, "one GPU per stage (default: when the cluster has one for each stage)")
     cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
@@ -72,6 +74,13 @@ class PipelineConfig(TrainOptions):
             f"(torch's pipeline runtime needs them equal), got {self.microbatches}",
         )
         check(self.virtual_stages >= 1, "virtual_stages", f"must be >= 1, got {self.virtual_stages}")
+        check(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
+        check(
+            self.global_batch_size % (self.replicas * self.microbatches) == 0,
+            "replicas",
+            f"{self.replicas} replicas x --microbatches {self.microbatches} must divide --global-batch-size "
+            f"{self.global_batch_size} into equal micro-batches, got {self.replicas}",
+        )
         try:
             check_schedule(self.schedule, self.stages, self.virtual_stages, self.microbatches)
         except UsageError as exc:

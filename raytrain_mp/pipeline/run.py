@@ -10,8 +10,12 @@ Reads top to bottom like the DDP loop, but on the driver: data, model, restore, 
   local temporary folder and published as ``STORAGE/NAME/checkpoint_EEEEEE`` (``storage``: renamed
   locally, uploaded with a completion marker last on object stores), so it is never half there,
   and resuming only ever picks a complete one.
-- A stage failure (``StageFailedError``) with failures left rebuilds every stage from the newest
-  checkpoint (or the initial model when there is none yet) and continues from there.
+- A stage failure (``StageFailedError``) with failures left rebuilds every stage actor of every
+  replica from the newest checkpoint (or the initial model when there is none yet) and continues
+  from there.
+- With ``--replicas`` R the replicas' shares of a step are exactly the step's global batch, and a
+  checkpoint holds one model and one optimizer state per stage (the replicas hold the same), so
+  it does not depend on R: a resume may use another R and keeps the math.
 - The stage split is part of the run: checkpoints record it (``train_state["split_points"]``, the
   first block of every stage but the first), and a resume, rerun or restart cuts the model there
   instead of balancing again, since each stage's optimizer state fits only its own parameters. A
@@ -144,13 +148,16 @@ def evaluate(trainer: PipelineTrainer, loader: DataLoader) -> dict[str, float]:
 
 
 def maybe_kill_stage(spec: str | None, trainer: PipelineTrainer, epoch: int) -> None:
-    """Testing hook: ``STAGE:EPOCH:MARKER`` kills stage actor STAGE once after EPOCH."""
+    """Testing hook: ``INDEX:EPOCH:MARKER`` kills stage actor INDEX (stage INDEX % --stages of
+    replica INDEX // --stages) once after EPOCH."""
     if spec is None:
         return
-    stage, fault_epoch, marker = spec.split(":", 2)
+    index, fault_epoch, marker = spec.split(":", 2)
+    replica, stage = divmod(int(index), trainer.num_stages)
     if epoch == int(fault_epoch) and not Path(marker).exists():
-        Path(marker).write_text(f"killed stage {stage} after epoch {epoch}\n")
-        ray.kill(trainer.actor(int(stage)))
+        of = f" of replica {replica}" if trainer.num_replicas > 1 else ""
+        Path(marker).write_text(f"killed stage {stage}{of} after epoch {epoch}\n")
+        ray.kill(trainer.actor(stage, replica))
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
@@ -192,11 +199,14 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             if optimizer_states is not None:
                 trainer.load_optimizer_state_dicts(optimizer_states)
             trainer.steps_done = start_epoch * steps_per_epoch
-            for plan, node in zip(trainer.plan, trainer.nodes):
-                print(f"{describe(plan)} on node {node[:8]}", flush=True)
+            print_placement(trainer)
             summary = train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, start_epoch, run)
             stages = [{**dataclasses.asdict(plan), "node_id": node} for plan, node in zip(trainer.plan, trainer.nodes)]
-            result = {**summary, "num_nodes": len(set(trainer.nodes)), "stages": stages, "run": run.uri}
+            actors = [
+                {"replica": index // trainer.num_stages, "stage": index % trainer.num_stages, "node_id": node}
+                for index, node in enumerate(trainer.nodes)
+            ]
+            result = {**summary, "num_nodes": len(set(trainer.nodes)), "stages": stages, "actors": actors, "run": run.uri}
             write_result(run, result)
             return result
         except StageFailedError as exc:
@@ -206,6 +216,20 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             print(f"{exc}; restarting the stages from the last checkpoint ({failures}/{cfg.max_failures})", flush=True)
         finally:
             trainer.shutdown()
+
+
+def print_placement(trainer: PipelineTrainer) -> None:
+    """The stages' cut, and the node each (replica, stage) actor landed on."""
+    if trainer.num_replicas == 1:
+        for plan, node in zip(trainer.plan, trainer.nodes):
+            print(f"{describe(plan)} on node {node[:8]}", flush=True)
+        return
+    for plan in trainer.plan:
+        print(describe(plan), flush=True)
+    for replica in range(trainer.num_replicas):
+        nodes = trainer.nodes[replica * trainer.num_stages : (replica + 1) * trainer.num_stages]
+        where = ", ".join(f"stage {stage} on node {node[:8]}" for stage, node in enumerate(nodes))
+        print(f"replica {replica}: {where}", flush=True)
 
 
 def describe(plan) -> str:
@@ -224,7 +248,7 @@ def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch
         weight_decay=cfg.weight_decay, use_gpu=cfg.use_gpu, deferred_bn=cfg.deferred_bn,
         clip_grad_norm=cfg.clip_grad_norm, autocast_bf16=cfg.precision == "bf16",
         placement_strategy=cfg.placement, cpus_per_stage=cfg.cpus_per_stage, sample_input=sample,
-        virtual_stages=cfg.virtual_stages,
+        virtual_stages=cfg.virtual_stages, num_replicas=cfg.replicas,
     )  # fmt: skip
 
 
@@ -277,6 +301,7 @@ def train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, 
         "train_loss": metrics.get("train_loss"),
         "epochs": cfg.epochs,
         "num_stages": cfg.stages,
+        "num_replicas": cfg.replicas,
         "num_microbatches": cfg.microbatches,
         "schedule": cfg.schedule,
         "global_batch_size": cfg.global_batch_size,

@@ -10,6 +10,11 @@ its single visible GPU; otherwise ``num_cpus`` slots, and torch gets exactly tha
 With ``virtual_stages`` V the model is cut into ``num_ranks * V`` stages and rank r holds stages
 r, r + num_ranks, ... (torch's interleaved layout); with V = 1 a rank holds one stage.
 
+With ``num_replicas`` R > 1 the world holds R pipelines (``replicas`` gives the rank layout): the
+schedule and the activations stay inside the replica's pipeline group, and after the schedule the
+R actors of a stage sum gradients and combine BatchNorm statistics over their stage group
+(``replica_sync``); clipping then takes the norm over the replica's pipeline group.
+
 What torch's runtime does not do, and this module adds:
 - Static shapes. Left to itself, ``PipelineStage`` infers activation shapes on the first step by
   running a forward and backward on uninitialized tensors, which leaves their gradients in the
@@ -61,6 +66,8 @@ from raytrain_mp.optim import OPTIMIZERS, build_optimizer
 from raytrain_mp.pipeline.blocks import Block
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
 from raytrain_mp.pipeline.partition import profile_blocks
+from raytrain_mp.pipeline.replica_sync import merge_deferred_stats, merge_running_stats, snapshot, sum_gradients
+from raytrain_mp.pipeline.replicas import global_rank, pipeline_ranks, stage_ranks
 from raytrain_mp.pipeline.schedule import INTERLEAVED_SCHEDULES
 
 TORCH_SCHEDULES = {
@@ -90,11 +97,22 @@ class StageConfig:
     deferred_bn: bool = False
     autocast_bf16: bool = False
     p2p_timeout_s: float = 300.0
+    replica: int = 0
+    num_replicas: int = 1
 
     @property
     def num_stages(self) -> int:
         """Stages of the whole pipeline (ranks x virtual stages)."""
         return self.num_ranks * self.virtual_stages
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the process group: every stage actor of every replica."""
+        return self.num_replicas * self.num_ranks
+
+    def peer(self, rank: int) -> int:
+        """The global rank of pipeline rank ``rank`` of this actor's replica."""
+        return global_rank(self.replica, rank, self.num_ranks)
 
     def stage_index(self, local: int) -> int:
         """The pipeline index of this rank's ``local``-th stage."""
@@ -182,6 +200,10 @@ class StageWorker:
         self.holds_first = config.rank == 0
         self.holds_last = config.rank == config.num_ranks - 1
         self._store: dist.TCPStore | None = None
+        # With replicas: this replica's pipeline group and this stage's data-parallel group; with
+        # one replica the default group is the pipeline and there is nothing to average.
+        self._pipeline_group: dist.ProcessGroup | None = None
+        self._stage_group: dist.ProcessGroup | None = None
         self._stages: list[_TimedStage] = []
         self._schedule: Any = None
         self._schedule_key: tuple | None = None
@@ -200,20 +222,30 @@ class StageWorker:
 
         host = ray.util.get_node_ip_address()
         self._store = dist.TCPStore(
-            host, 0, self.config.num_ranks, is_master=True, wait_for_workers=False,
+            host, 0, self.config.world_size, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=self.config.p2p_timeout_s),
         )  # fmt: skip
         return host, self._store.port
 
     def join_group(self, host: str, port: int) -> None:
-        """Join the ranks' process group through rank 0's store (every rank at once)."""
-        timeout = timedelta(seconds=self.config.p2p_timeout_s)
-        store = self._store or dist.TCPStore(host, port, self.config.num_ranks, is_master=False, timeout=timeout)
+        """Join the ranks' process group through rank 0's store (every rank at once), and with
+        replicas create every pipeline and stage group (all ranks create all groups, in order)."""
+        config = self.config
+        timeout = timedelta(seconds=config.p2p_timeout_s)
+        store = self._store or dist.TCPStore(host, port, config.world_size, is_master=False, timeout=timeout)
         dist.init_process_group(
             "nccl" if self.device.type == "cuda" else "gloo",
-            store=store, rank=self.config.rank, world_size=self.config.num_ranks, timeout=timeout,
+            store=store, rank=config.peer(config.rank), world_size=config.world_size, timeout=timeout,
             **({"device_id": self.device} if self.device.type == "cuda" else {}),
         )  # fmt: skip
+        if config.num_replicas == 1:
+            return
+        for replica in range(config.num_replicas):
+            group = dist.new_group(pipeline_ranks(replica, config.num_ranks), timeout=timeout)
+            self._pipeline_group = group if replica == config.replica else self._pipeline_group
+        for rank in range(config.num_ranks):
+            group = dist.new_group(stage_ranks(rank, config.num_replicas, config.num_ranks), timeout=timeout)
+            self._stage_group = group if rank == config.rank else self._stage_group
 
     # -- point to point ----------------------------------------------------------------------------
 
@@ -227,15 +259,15 @@ class StageWorker:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
         header[2 : 2 + x.dim()] = torch.tensor(x.shape)
-        dist.send(header.to(self.device), rank)
-        dist.send(x.contiguous(), rank)
+        dist.send(header.to(self.device), self.config.peer(rank))
+        dist.send(x.contiguous(), self.config.peer(rank))
 
     def _recv(self, rank: int) -> Tensor:
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, rank)
+        dist.recv(header, self.config.peer(rank))
         ndim, code, *shape = header.tolist()
         x = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
-        dist.recv(x, rank)
+        dist.recv(x, self.config.peer(rank))
         return x
 
     @torch.no_grad()
@@ -294,6 +326,7 @@ class StageWorker:
                 _TimedStage(
                     wrapped, index, self.config.num_stages, self.device,
                     input_args=torch.empty_like(x).requires_grad_(index > 0), output_args=torch.empty_like(y).requires_grad_(),
+                    group=self._pipeline_group,
                 )  # fmt: skip
             )
         self._stages = stages
@@ -310,21 +343,29 @@ class StageWorker:
         max_norm: float | None = None,
     ) -> tuple[float | None, float, float]:
         """One optimizer step: the schedule's forwards and backwards over the batch, clipping, the
-        update. Rank 0 gets ``inputs``, the last rank ``targets`` (None elsewhere). Returns (the batch
-        mean loss on the last rank, else None; the seconds this rank computed; the seconds this
-        call took, computing and waiting for its peers)."""
+        update. Rank 0 gets ``inputs``, the last rank ``targets`` (None elsewhere): this replica's
+        share of the step's batch. Returns (on the last rank this replica's share of the global batch
+        mean loss, else None; the seconds this rank computed; the seconds this call took, computing
+        and waiting for its peers)."""
         called = time.perf_counter()
         key = (schedule, num_microbatches, tuple(microbatch_shape))
         if key != self._schedule_key:
             probe = inputs[: microbatch_shape[0]] if self.holds_first else None
             self._schedule, self._schedule_key = self._build_schedule(schedule, num_microbatches, probe), key
-        if self.holds_last:
-            self._loss_scale = 1.0 / len(targets)
+        replicas = self.config.num_replicas
+        if self.holds_last:  # the replicas' shares are equal: this is 1 / global batch size
+            self._loss_scale = 1.0 / (len(targets) * replicas)
         losses: list[Tensor] = []
         try:
+            before = snapshot(self.modules) if replicas > 1 else []
             args = (self._first_input(inputs),) if self.holds_first else ()
             extra = {"target": targets.to(self.device), "losses": losses} if self.holds_last else {}
             self._schedule.step(*args, return_outputs=False, **extra)
+            if replicas > 1:
+                sum_gradients(self.modules, self._stage_group)
+                merge_running_stats(before, self._stage_group, num_microbatches, replicas, self.config.replica)
+                if self.config.deferred_bn:
+                    merge_deferred_stats(self.modules, self._stage_group, replicas)
             start = time.perf_counter()
             if max_norm is not None:
                 self._clip(max_norm)
@@ -343,12 +384,13 @@ class StageWorker:
         return loss, busy, time.perf_counter() - called
 
     def _clip(self, max_norm: float) -> None:
-        """Scale the gradients as ``clip_grad_norm_`` would over the parameters of every rank."""
+        """Scale the gradients as ``clip_grad_norm_`` would over the parameters of every stage (after the
+        replicas' gradients are summed, so over this replica's pipeline ranks)."""
         grads = [p.grad for module in self.modules for p in module.parameters() if p.grad is not None]
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for grad in grads:
             total += grad.double().square().sum()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=self._pipeline_group)
         scale = max_norm / (total.sqrt().item() + 1e-6)  # the same epsilon as torch.nn.utils.clip_grad_norm_
         if scale < 1:
             for grad in grads:

@@ -6,6 +6,12 @@ group, and make one call per rank per step: the inputs go to rank 0 and the targ
 rank, once; the ranks run the schedule themselves and exchange activations and gradients point to
 point (``stage``). Ray owns placement, GPU pinning, lifecycle and failure handling.
 
+With ``num_replicas`` R > 1 (data x pipeline parallelism) there are R such pipelines, each in its
+own placement group (the replicas spread over the nodes that can hold one, ``replicas``), all in
+one process group; replica r trains on the r-th contiguous share of each batch and the stages
+average gradients across replicas before the update (``replica_sync``). Actors are indexed
+replica-major: actor ``r * num_stages + s`` is stage s of replica r.
+
 Invariants:
 - Every bad input raises ``UsageError`` before a placement group or actor exists.
 - A step equals gradient accumulation over the same micro-batches in one process (each
@@ -15,8 +21,10 @@ Invariants:
   several fail, the origin is the one whose actor died, else the one that failed for its own
   reason rather than because a peer stopped answering (a receive times out after
   ``p2p_timeout_s``); when only the latter failed, the origin is a rank that never answered. The other
-  ranks may be waiting on the failed one, so the trainer stops every rank; rebuild it (from a
-  checkpoint) to go on.
+  ranks may be waiting on the failed one, so the trainer stops every rank of every replica;
+  rebuild it (from a checkpoint) to go on.
+- With replicas, a step equals gradient accumulation over all R x m micro-batches of the batch in
+  order, and every replica holds the same parameters and buffers after it.
 - ``state_dict()`` is the full model's state dict (original keys, CPU tensors) and loads with
   ``strict=True`` into the model the trainer was built from.
 """
@@ -48,6 +56,7 @@ from raytrain_mp.pipeline.partition import (
     plan_stages,
     split_bounds,
 )
+from raytrain_mp.pipeline.replicas import check_replicas, replica_nodes, replica_shares
 from raytrain_mp.pipeline.schedule import check_schedule
 from raytrain_mp.pipeline.stage import StageConfig, StageWorker, check_optimizer, profile_on_stage_device
 
@@ -59,13 +68,16 @@ _FAILURE_GRACE_S = 5.0
 
 
 class StageFailedError(RuntimeError):
-    """A stage actor died or raised; ``stage`` is its index (from 0), ``step`` the train step
-    (from 1) it failed in, or None outside ``train_step``."""
+    """A stage actor died or raised; ``stage`` is its index (from 0), ``replica`` its replica (None
+    with a single one), ``step`` the train step (from 1) it failed in, or None outside ``train_step``."""
 
-    def __init__(self, stage: int, num_stages: int, step: int | None, cause: BaseException) -> None:
-        self.stage, self.step = stage, step
+    def __init__(
+        self, stage: int, num_stages: int, step: int | None, cause: BaseException, replica: int | None = None
+    ) -> None:
+        self.stage, self.step, self.replica = stage, step, replica
         when = f"at step {step}" if step is not None else "outside a train step"
-        super().__init__(f"pipeline stage {stage} (of stages 0-{num_stages - 1}) failed {when}: {_summary(cause)}")
+        of = f" of replica {replica}" if replica is not None else ""
+        super().__init__(f"pipeline stage {stage}{of} (of stages 0-{num_stages - 1}) failed {when}: {_summary(cause)}")
 
 
 def _summary(error: BaseException) -> str:
@@ -104,20 +116,23 @@ def _error_of(ref: ray.ObjectRef) -> RayError | None:
 
 
 def check_resources(
-    nodes: Sequence[Mapping[str, float]], num_stages: int, bundle: Mapping[str, float], strategy: str
+    nodes: Sequence[Mapping[str, float]], num_stages: int, bundle: Mapping[str, float], strategy: str,
+    num_replicas: int = 1,
 ) -> None:
     """Raise ``UsageError`` when the alive ``nodes`` (their total resources) can never hold
-    ``num_stages`` copies of ``bundle`` under ``strategy``."""
+    ``num_replicas`` placement groups of ``num_stages`` copies of ``bundle`` under ``strategy``."""
     if strategy not in PLACEMENT_STRATEGIES:
         raise UsageError(
             f"placement_strategy: unknown strategy {strategy!r}; accepted: {', '.join(PLACEMENT_STRATEGIES)}"
         )
+    actors = num_replicas * num_stages
+    what = f"{num_replicas} replicas x {num_stages} stages" if num_replicas > 1 else f"{num_stages} stages"
     for resource, amount in bundle.items():
         have = sum(node.get(resource, 0) for node in nodes)
-        if have < num_stages * amount:
+        if have < actors * amount:
             option = "use_gpu" if resource == "GPU" else "cpus_per_stage"
             raise UsageError(
-                f"{option}: {num_stages} stages need {num_stages * amount:g} {resource} "
+                f"{option}: {what} need {actors * amount:g} {resource} "
                 f"({amount:g} each); the Ray cluster has {have:g}"
             )
 
@@ -128,6 +143,12 @@ def check_resources(
         raise UsageError(
             f"placement_strategy: STRICT_PACK needs one node that holds all {num_stages} stages "
             f"({dict(bundle)} each) and no node does; use PACK or SPREAD"
+        )
+    packed = replica_nodes({str(i): node for i, node in enumerate(nodes)}, num_replicas, num_stages, bundle)
+    if strategy == "STRICT_PACK" and None in packed:
+        raise UsageError(
+            f"placement_strategy: STRICT_PACK needs a node per replica that holds all its {num_stages} stages "
+            f"({dict(bundle)} each); the nodes hold {packed.index(None)} of {num_replicas} replicas; use PACK or SPREAD"
         )
     if strategy == "STRICT_SPREAD" and sum(fits(node, 1) for node in nodes) < num_stages:
         raise UsageError(
@@ -188,6 +209,12 @@ class PipelineTrainer:
     yet, joins ``RAY_ADDRESS`` if set (one error line if nothing answers there) and otherwise
     starts a new local Ray instance, whatever a stale ``ray start`` left behind. Stage indices count
     from 0, steps from 1.
+
+    ``num_replicas`` R: R copies of the pipeline (R x ``num_stages`` actors), each on the r-th
+    contiguous share of every batch, which R x ``num_microbatches`` must divide; gradients are
+    averaged over the replicas, so a step equals one over the whole batch. Each replica is one
+    placement group under ``placement_strategy``; with STRICT_PACK the replicas go to different
+    nodes where they can.
     """
 
     def __init__(
@@ -211,6 +238,7 @@ class PipelineTrainer:
         sample_input: Tensor | None = None,
         virtual_stages: int = 1,
         p2p_timeout_s: float = 300.0,
+        num_replicas: int = 1,
     ) -> None:
         # Everything that can be checked without a cluster, first.
         blocks = flatten_model(model)
@@ -222,6 +250,8 @@ class PipelineTrainer:
         self.num_stages, self.virtual_stages = num_stages, virtual_stages
         self.set_schedule(schedule, num_microbatches)
         _check_options(model, optimizer, lr, momentum, weight_decay, clip_grad_norm, cpus_per_stage, p2p_timeout_s)
+        check_replicas(num_replicas)
+        self.num_replicas = num_replicas
         balance = _balance_mode(split_points, balance, sample_input, num_microbatches)
         params = block_parameter_counts(model, blocks)
         bounds = split_bounds(names, split_points, parts) if split_points is not None else None
@@ -231,17 +261,24 @@ class PipelineTrainer:
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             ray.init(address=reachable(address, "RAY_ADDRESS") if address else "local")
-        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-        use_gpu = resolve_use_gpu(use_gpu, num_stages, "stages")
+        alive = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
+        nodes = list(alive.values())
+        use_gpu = resolve_use_gpu(use_gpu, num_replicas * num_stages, "stage actors")
         bundle = {"CPU": cpus_per_stage, **({"GPU": 1} if use_gpu else {})}
-        check_resources(nodes, num_stages, bundle, placement_strategy)
+        check_resources(nodes, num_stages, bundle, placement_strategy, num_replicas)
 
         self.use_gpu = use_gpu
         self.clip_grad_norm = clip_grad_norm
         self.steps_done = 0  # train steps completed; the CLI sets it when resuming
         self._actors: list[Any] = []
         self._stopped = "shutdown(), which stopped its stage actors"
-        self._pg = placement_group([dict(bundle) for _ in range(num_stages)], strategy=placement_strategy)
+        # Only STRICT_PACK takes a target node; it spreads the replicas (a hint: Ray may still pack them).
+        targets = replica_nodes(alive, num_replicas, num_stages, bundle) if num_replicas > 1 else [None]
+        hints = targets if placement_strategy == "STRICT_PACK" else [None] * num_replicas
+        self._pgs = [
+            placement_group([dict(bundle) for _ in range(num_stages)], strategy=placement_strategy, _soft_target_node_id=hint)
+            for hint in hints
+        ]
         try:
             self._wait_for_placement(bundle, placement_strategy)
             seconds = None
@@ -255,19 +292,22 @@ class PipelineTrainer:
             self._stage_keys = [[key for piece in modules for key in piece.state_dict()] for modules in held]
             self._model_keys = [key for piece in pieces for key in piece.state_dict()]  # the model's order
             actor_class = ray.remote(StageWorker)
-            for rank, modules in enumerate(held):
-                config = StageConfig(
-                    rank=rank, num_ranks=num_stages, virtual_stages=virtual_stages, optimizer=optimizer, lr=lr,
-                    momentum=momentum, weight_decay=weight_decay, use_gpu=use_gpu, num_cpus=cpus_per_stage,
-                    deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, p2p_timeout_s=p2p_timeout_s,
-                )  # fmt: skip
-                options = self._placement(rank, cpus_per_stage)
-                self._actors.append(actor_class.options(**options).remote(modules, config))
-            self.devices: list[str] = self._call_all("ready")
+            for replica in range(num_replicas):
+                for rank, modules in enumerate(held):
+                    config = StageConfig(
+                        rank=rank, num_ranks=num_stages, virtual_stages=virtual_stages, optimizer=optimizer, lr=lr,
+                        momentum=momentum, weight_decay=weight_decay, use_gpu=use_gpu, num_cpus=cpus_per_stage,
+                        deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, p2p_timeout_s=p2p_timeout_s,
+                        replica=replica, num_replicas=num_replicas,
+                    )  # fmt: skip
+                    options = self._placement(rank, cpus_per_stage, replica)
+                    self._actors.append(actor_class.options(**options).remote(modules, config))
+            self.devices: list[str] = self._call_all("ready")  # per actor, replica-major
             host, port = self._gather([(0, self.actor(0).host_store.remote())], step=None)[0]
             self._call_all("join_group", host, port)
-            bundle_nodes = ray.util.placement_group_table(self._pg)["bundles_to_node_id"]
-            self.nodes: list[str] = [bundle_nodes[index] for index in range(num_stages)]  # Ray node id per rank
+            self.nodes: list[str] = [  # Ray node id per actor, replica-major
+                ray.util.placement_group_table(pg)["bundles_to_node_id"][rank] for pg in self._pgs for rank in range(num_stages)
+            ]
         except BaseException:
             self.shutdown()
             raise
@@ -275,18 +315,20 @@ class PipelineTrainer:
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def _placement(self, index: int, cpus: int) -> dict[str, Any]:
+    def _placement(self, index: int, cpus: int, replica: int = 0) -> dict[str, Any]:
         return {
             "num_cpus": cpus,
             "num_gpus": 1 if self.use_gpu else 0,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=index),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pgs[replica], placement_group_bundle_index=index),
         }
 
     def _wait_for_placement(self, bundle: Mapping[str, float], strategy: str) -> None:
-        ready, _ = ray.wait([self._pg.ready()], timeout=_PLACEMENT_TIMEOUT_S)
-        if not ready:
+        refs = [pg.ready() for pg in self._pgs]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_PLACEMENT_TIMEOUT_S)
+        if len(ready) < len(refs):
+            groups = f"{self.num_replicas} placement groups" if self.num_replicas > 1 else "placement group"
             raise RuntimeError(
-                f"placement group of {self.num_stages} x {dict(bundle)} ({strategy}) was not ready after "
+                f"{groups} of {self.num_stages} x {dict(bundle)} ({strategy}) was not ready after "
                 f"{_PLACEMENT_TIMEOUT_S:g} s; other jobs may hold the resources"
             )
 
@@ -309,12 +351,13 @@ class PipelineTrainer:
     # -- calls -----------------------------------------------------------------------------------
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
-        refs = [(rank, getattr(self.actor(rank), method).remote(*args)) for rank in range(self.num_stages)]
+        """``method(*args)`` on every actor of every replica; the results, replica-major."""
+        refs = [(index, getattr(actor, method).remote(*args)) for index, actor in enumerate(self._all_actors())]
         return self._gather(refs, step=None)
 
     def _gather(self, submitted: list[tuple[int, ray.ObjectRef]], step: int | None) -> list[Any]:
-        """The results of ``submitted`` (rank, ref) pairs, in order. A failure stops every rank and
-        raises ``StageFailedError`` for its origin (see the module docstring)."""
+        """The results of ``submitted`` (actor index, ref) pairs, in order. A failure stops every
+        rank and raises ``StageFailedError`` for its origin (see the module docstring)."""
         refs = [ref for _, ref in submitted]
         results: dict[ray.ObjectRef, Any] = {}
         pending = list(refs)
@@ -335,8 +378,12 @@ class PipelineTrainer:
                 waited = f"stage {rank} gave up waiting for it: {_summary(origin)}"
                 rank, origin = silent[0], TimeoutError(f"it stopped answering; {waited}")
             self.shutdown()
-            self._stopped = f"a failure of stage {rank}, after which it stopped every stage actor"
-            raise StageFailedError(rank, self.num_stages, step, origin) from origin
+            replica, stage = divmod(rank, self.num_stages)
+            replica = replica if self.num_replicas > 1 else None
+            failed = StageFailedError(stage, self.num_stages, step, origin, replica)
+            of = f" of replica {replica}" if replica is not None else ""
+            self._stopped = f"a failure of stage {stage}{of}, after which it stopped every stage actor"
+            raise failed from origin
         return [results[ref] for ref in refs]
 
     def train_step(self, inputs: Tensor, targets: Tensor) -> float:
@@ -348,26 +395,28 @@ class PipelineTrainer:
                 f"num_microbatches: {m} micro-batches do not divide a batch of {batch} samples; "
                 "torch's pipeline runtime needs micro-batches of equal size"
             )
+        check_replicas(self.num_replicas, batch, m)
         if len(targets) != batch:
             raise UsageError(f"targets: {len(targets)} targets for {batch} inputs")
         step = self.steps_done + 1
         last = self.num_stages - 1
-        shape = (batch // m, *inputs.shape[1:])
+        shape = (batch // (self.num_replicas * m), *inputs.shape[1:])
         start = time.perf_counter()
         refs = [
-            (rank, self.actor(rank).train_step.remote(
-                self.schedule, m, shape, inputs if rank == 0 else None, targets if rank == last else None,
-                self.clip_grad_norm,
+            (replica * self.num_stages + rank, self.actor(rank, replica).train_step.remote(
+                self.schedule, m, shape, x if rank == 0 else None, y if rank == last else None, self.clip_grad_norm,
             ))
+            for replica, (x, y) in enumerate(replica_shares(inputs, targets, self.num_replicas))
             for rank in range(self.num_stages)
         ]  # fmt: skip
         results = self._gather(refs, step)
         self._record(time.perf_counter() - start, [busy for _, busy, _ in results], max(took for *_, took in results))
         self.steps_done = step
-        return results[last][0]
+        # Each replica's last rank returns its share of the global batch mean.
+        return sum(loss for loss, _, _ in results[last :: self.num_stages])
 
     def predict(self, inputs: Tensor) -> Tensor:
-        """Eval-mode outputs (logits) for ``inputs``, in micro-batches through the stages."""
+        """Eval-mode outputs (logits) for ``inputs``, in micro-batches through replica 0's stages."""
         chunks = min(self.num_microbatches, len(inputs))
         refs = [
             (rank, self.actor(rank).infer.remote(inputs if rank == 0 else None, chunks))
@@ -380,7 +429,7 @@ class PipelineTrainer:
         self._wall = 0.0
         self._in_ranks = 0.0
         self._steps = 0
-        self._busy = [0.0] * self.num_stages
+        self._busy = [0.0] * (self.num_replicas * self.num_stages)
 
     def _record(self, wall: float, busy: Sequence[float], in_ranks: float) -> None:
         self._wall += wall
@@ -391,9 +440,10 @@ class PipelineTrainer:
     def stats(self, reset: bool = True) -> dict[str, Any]:
         """Timing of the train steps since the last reset.
 
-        ``busy_seconds[s]``: seconds stage s computed (forwards, backwards, optimizer step).
-        ``bubble_fraction``: ``1 - sum(busy) / (num_stages * wall_seconds)``, the share of the
-        stages' time spent waiting — pipeline fill and drain, transfers, Ray and driver overhead.
+        ``busy_seconds[i]``: seconds actor i (stage i % S of replica i // S) computed (forwards,
+        backwards, optimizer step). ``bubble_fraction``: ``1 - sum(busy) / (actors * wall_seconds)``,
+        the share of the actors' time spent waiting — pipeline fill and drain, transfers, the
+        replicas' all-reduces, Ray and driver overhead.
         ``rank_seconds_per_step``: the longest time a rank's step call took inside the rank, what a
         torchrun script would time; ``seconds_per_step`` minus this is the Ray call's cost.
         """
@@ -404,7 +454,7 @@ class PipelineTrainer:
             "seconds_per_step": wall / self._steps if self._steps else 0.0,
             "rank_seconds_per_step": self._in_ranks / self._steps if self._steps else 0.0,
             "busy_seconds": list(self._busy),
-            "bubble_fraction": 1 - sum(self._busy) / (self.num_stages * wall) if wall > 0 else 0.0,
+            "bubble_fraction": 1 - sum(self._busy) / (len(self._busy) * wall) if wall > 0 else 0.0,
         }
         if reset:
             self._reset_stats()
@@ -416,9 +466,19 @@ class PipelineTrainer:
         """Set every stage's learning rate (for per-step schedules)."""
         self._call_all("set_lr", lr)
 
-    def state_dict(self) -> dict[str, Tensor]:
-        """The full model's state dict, on the CPU, with the original model's keys."""
-        merged = {key: value for part in self._call_all("state_dict") for key, value in part.items()}
+    def _replica_calls(self, replica: int, method: str, args_of_rank: Sequence[tuple] | None = None) -> list[Any]:
+        """``method`` on each stage of ``replica`` (with ``args_of_rank[rank]``); the results in stage order."""
+        refs = [
+            (replica * self.num_stages + rank,
+             getattr(self.actor(rank, replica), method).remote(*(args_of_rank[rank] if args_of_rank else ())))
+            for rank in range(self.num_stages)
+        ]  # fmt: skip
+        return self._gather(refs, step=None)
+
+    def state_dict(self, replica: int = 0) -> dict[str, Tensor]:
+        """The full model's state dict as ``replica`` holds it (all replicas hold the same), on the
+        CPU, with the original model's keys."""
+        merged = {key: value for part in self._replica_calls(replica, "state_dict") for key, value in part.items()}
         return {key: merged[key] for key in self._model_keys}
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
@@ -429,33 +489,40 @@ class PipelineTrainer:
             raise UsageError(
                 f"state dict does not fit the pipeline's model: missing {missing[:3]}, unexpected {unexpected[:3]}"
             )
-        parts = [{key: state[key] for key in keys} for keys in self._stage_keys]
-        self._gather([(rank, self.actor(rank).load_state_dict.remote(part)) for rank, part in enumerate(parts)], step=None)
+        parts = [(({key: state[key] for key in keys}),) for keys in self._stage_keys]
+        for replica in range(self.num_replicas):
+            self._replica_calls(replica, "load_state_dict", parts)
 
     def optimizer_state_dicts(self) -> list[dict[str, Any]]:
-        """Each stage's optimizer state (CPU tensors), in stage order."""
-        return self._call_all("optimizer_state_dict")
+        """Each stage's optimizer state (CPU tensors), in stage order (replica 0's: all replicas hold
+        the same, so a checkpoint does not depend on the number of replicas)."""
+        return self._replica_calls(0, "optimizer_state_dict")
 
     def load_optimizer_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
+        """Load each stage's optimizer state into that stage of every replica."""
         if len(states) != self.num_stages:
             raise UsageError(f"optimizer state: {len(states)} stage states for {self.num_stages} stages")
-        refs = [(rank, self.actor(rank).load_optimizer_state_dict.remote(state)) for rank, state in enumerate(states)]
-        self._gather(refs, step=None)
+        for replica in range(self.num_replicas):
+            self._replica_calls(replica, "load_optimizer_state_dict", [(state,) for state in states])
 
-    def actor(self, stage: int) -> Any:
-        """The Ray actor handle of ``stage`` (for inspection and fault injection)."""
+    def _all_actors(self) -> list[Any]:
+        self.actor(0)  # raises once stopped
+        return self._actors
+
+    def actor(self, stage: int, replica: int = 0) -> Any:
+        """The Ray actor handle of ``stage`` of ``replica`` (for inspection and fault injection)."""
         if not self._actors:
             raise RuntimeError(f"PipelineTrainer: used after {self._stopped}; build a new PipelineTrainer")
-        return self._actors[stage]
+        return self._actors[replica * self.num_stages + stage]
 
     def shutdown(self) -> None:
-        """Stop the stage actors and free their placement group (safe to call twice)."""
+        """Stop the stage actors and free their placement groups (safe to call twice)."""
         for actor in self._actors:
             ray.kill(actor)
         self._actors = []
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
+        for pg in self._pgs:
+            remove_placement_group(pg)
+        self._pgs = []
 
     def __enter__(self) -> PipelineTrainer:
         return self

@@ -13,8 +13,9 @@ import pytest
 
 from helpers import assert_usage_error, run_cli, run_cli_json
 
-# Figures that may be zero: a share of idle time, or a distance from a formula.
-MAY_BE_ZERO = ("bubble_fraction", "bubble_gap", "index")
+# Figures that may be zero: a share of idle time, a distance from a formula, or the bubble a
+# one-stage layout (the hybrid case's pure data parallel) has by the formula.
+MAY_BE_ZERO = ("bubble_fraction", "bubble_gap", "index", "bubble_formula", "bubble_for_stage_times")
 
 
 def figures(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -102,7 +103,22 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
     assert one_f2["peak_activation_bytes"][1] < gpipe2["peak_activation_bytes"][1]
     assert_native(results)
     assert_overhead(results, summary)
+    assert_hybrid(results, summary)
     assert_figures_positive(results)
+
+
+def assert_hybrid(results: dict, printed: dict) -> None:
+    """k=2 actors: pure data parallel (2 replicas of 1 stage) and pure pipeline (1 replica of 2
+    stages) on the same global batch in 4 micro-batches in all, each actor's busy time measured."""
+    hybrid = results["hybrid"]
+    assert (hybrid["workers"], hybrid["microbatches"]) == (2, 4)
+    layouts = [(r["replicas"], r["stages"], r["microbatches"], len(r["busy_seconds"])) for r in hybrid["runs"]]
+    assert layouts == [(2, 1, 2, 2), (1, 2, 4, 2)]
+    for run in hybrid["runs"]:
+        assert_spread(run["step_seconds"])
+        assert run["samples_per_second"] == pytest.approx(8 / run["step_seconds"]["median"])
+    seconds = {f"R{r['replicas']}xS{r['stages']}": r["step_seconds"]["median"] for r in hybrid["runs"]}
+    assert results["summary"]["hybrid_seconds"] == printed["hybrid_seconds"] == seconds
 
 
 def assert_overhead(results: dict, printed: dict) -> None:
@@ -205,6 +221,11 @@ def test_bench_bad_input(capsys, tmp_path):
     assert_usage_error(
         run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-schedules", "gpipe,zigzag"), "--overhead-schedules", "zigzag"
     )
+    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--hybrid-workers", "0"), "--hybrid-workers: must be >= 1")
+    assert_usage_error(
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--hybrid-workers", "4", "--hybrid-microbatches", "6"),
+        "--hybrid-microbatches: must be a multiple of --hybrid-workers 4 that divides --global-batch-size 64, got 6",
+    )  # fmt: skip
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--num-workers", "0"), "--num-workers")
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--steps", "0"), "--steps")
     assert_usage_error(run_cli(capsys, "bench", "ddp"), "--out")
@@ -224,3 +245,11 @@ def test_bench_refuses_gpus_that_are_not_there(capsys, tmp_path):
         res = run_cli(capsys, "bench", "ddp", "--use-gpu", "--out", str(tmp_path / "d"))
         assert_usage_error(res, "--use-gpu: this machine has no CUDA GPU", "accepted: --no-use-gpu")
     assert not (tmp_path / "p").exists() and not (tmp_path / "d").exists()
+
+
+def test_hybrid_layouts_cover_every_factoring_of_the_workers():
+    from raytrain_mp.bench.pipeline import hybrid_layouts
+
+    assert hybrid_layouts(2) == [(2, 1), (1, 2)]  # pure data parallel, pure pipeline
+    assert hybrid_layouts(4) == [(4, 1), (2, 2), (1, 4)]
+    assert hybrid_layouts(1) == [(1, 1)]

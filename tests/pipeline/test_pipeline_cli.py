@@ -39,6 +39,8 @@ def tiny_data(tmp_path_factory) -> str:
         (["--schedule", "interleaved-1f1b", "--virtual-stages", "6"], ["--stages: 12 stages for 10 blocks"]),
         (["--precision", "fp16"], ["--precision", "invalid choice: 'fp16'"]),
         (["--global-batch-size", "500"], ["--global-batch-size 500 exceeds the 160 training samples"]),
+        (["--replicas", "0"], ["--replicas: must be >= 1, got 0"]),
+        (["--replicas", "3"], ["--replicas: 3 replicas x --microbatches 4 must divide --global-batch-size 32 into equal micro-batches, got 3"]),
     ],
 )
 def test_bad_inputs_before_any_actor(tiny_data, tmp_path, capsys, argv, fragments):
@@ -55,6 +57,14 @@ def test_more_stages_than_gpus(ray_session, tiny_data, tmp_path, capsys):
     res = run_cli(capsys, "pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32",
                   "--stages", stages, "--use-gpu", "--storage-path", str(tmp_path / "runs"))  # fmt: skip
     assert_usage_error(res, "--use-gpu", f"{stages} stages need {stages} GPU (1 each); the Ray cluster has {gpus}")
+
+
+def test_more_replicas_than_the_cluster_holds(ray_session, tiny_data, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    res = run_cli(capsys, "pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32",
+                  "--replicas", "4", "--microbatches", "2", "--storage-path", str(runs))  # fmt: skip
+    assert_usage_error(res, "--cpus-per-stage: 4 replicas x 2 stages need 8 CPU (1 each); the Ray cluster has 4")
+    assert not runs.exists()
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +149,29 @@ def test_resume_keeps_the_saved_split_and_refuses_another(fp64_runs, tiny_data, 
     resumed = run_cli_json(*base, "--balance", "time")
     assert resumed["epochs"] == 3
     assert [stage["blocks"] for stage in resumed["stages"]] == [stage["blocks"] for stage in plain["stages"]]
+
+
+@pytest.mark.slow  # more fp64 runs
+def test_replicas_survive_a_killed_actor_and_a_change_of_replicas(fp64_runs, tiny_data, tmp_path):
+    """--replicas 2 x --microbatches 2 runs the same 4 micro-batches per step as the plain run
+    (--replicas 1 x --microbatches 4), so every run here ends with its model (1e-9, fp64): one
+    whose actor of replica 1, stage 0 is killed after epoch 1 and rebuilt from the checkpoint, and
+    one trained with 1 replica for epoch 1 and resumed with 2 for epoch 2."""
+    plain, _, _ = fp64_runs
+    marker = tmp_path / "fault-marker"
+    args = ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
+            "--schedule", "1f1b", "--precision", "fp64", "--balance", "params", "--storage-path", str(tmp_path / "runs"),
+            "--log-every", "0"]  # fmt: skip
+    killed = run_cli_json(*args, "--name", "killed", "--epochs", "2", "--replicas", "2", "--microbatches", "2",
+                          "--max-failures", "1", "--inject-fault", f"2:1:{marker}")  # fmt: skip
+    assert marker.read_text() == "killed stage 0 of replica 1 after epoch 1\n"
+    assert killed["num_replicas"] == 2 and len(killed["actors"]) == 4
+    assert [(actor["replica"], actor["stage"]) for actor in killed["actors"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    run_cli_json(*args, "--name", "change", "--epochs", "1", "--replicas", "1", "--microbatches", "4")
+    changed = run_cli_json(*args, "--name", "change", "--epochs", "2", "--replicas", "2", "--microbatches", "2")
+    assert changed["epochs"] == 2 and changed["num_replicas"] == 2
+    want = torch.load(plain["model"], weights_only=True)
+    for result in (killed, changed):
+        got = torch.load(result["model"], weights_only=True)
+        assert got.keys() == want.keys()
+        assert max((got[k] - want[k]).abs().max().item() for k in want if want[k].numel()) < 1e-9
