@@ -47,7 +47,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     meta = prepare(
         cfg.source, cfg.out, rows_per_shard=cfg.rows_per_shard, overwrite=cfg.overwrite,
         val_fraction=cfg.val_fraction, seed=cfg.seed, num_samples=cfg.num_samples,
-        image_size=cfg.image_size, num_classes=cfg.num_classes, channels=cfg.channels,
+        image_size=cfg.image_size, num_classes=cfg.num_classes, channels=cfg.channels, encoded=cfg.encoded,
     )  # fmt: skip
     result = {
         "out": cfg.out,
@@ -56,6 +56,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         "val": meta.counts["val"],
         "image_shape": list(meta.image_shape),
         "num_classes": meta.num_classes,
+        "encoded": meta.encoded,
     }
     emit(result, args.json, f"prepared {cfg.source} into {cfg.out}")
     return 0

@@ -1,0 +1,56 @@
+"""Batch transforms on the training device: uint8 batches in, the model's float input out.
+
+Job: turn what the loader yields (uint8 images (N, C, H, W) and per sample the (top, left, flip)
+that ``data.augment`` drew) into normalized, cropped, flipped images in the model's dtype, as a few
+batched tensor operations on the device the model trains on (GPU or CPU), instead of a float64
+NumPy chain per sample in the loader. The host then only moves uint8 (a quarter of float32's bytes).
+
+Invariants:
+- Pure: no randomness here (every draw happened in the loader), so the result is the same on
+  any device and for any split of the batch.
+- The arithmetic of the per-sample path it replaces, in the same order: (x - mean) / std in
+  ``dtype``, zero padding by ``pad`` (zero is the mean pixel after normalization), the crop at
+  (top, left), then the horizontal flip. In float64 that is the same result bit for bit; in float32
+  it differs only by float32 rounding of the normalization.
+- ``crop_flip`` works on any dtype, so on uint8 it is exactly the per-sample crop and flip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def crop_flip(images: torch.Tensor, params: torch.Tensor, pad: int) -> torch.Tensor:
+    """Each image of ``images`` (N, C, H, W) zero-padded by ``pad``, cropped back to H x W at its
+    (top, left) of ``params`` (N, 3) and mirrored where its flip is 1: one gather for the batch."""
+    n, _, h, w = images.shape
+    params = params.to(images.device)
+    padded = F.pad(images, (pad, pad, pad, pad)) if pad else images
+    rows = params[:, 0:1] + torch.arange(h, device=images.device)  # (N, H)
+    cols = params[:, 1:2] + torch.arange(w, device=images.device)  # (N, W)
+    cols = torch.where(params[:, 2:3].bool(), cols.flip(1), cols)
+    batch = torch.arange(n, device=images.device)[:, None, None]
+    # Channels last for the gather, so one advanced index picks whole pixels.
+    picked = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # (N, H, W, C)
+    return picked.permute(0, 3, 1, 2).contiguous()
+
+
+@dataclass(frozen=True)
+class BatchTransform:
+    """Normalization by the data set's per-channel ``mean``/``std`` (raw pixel units), then
+    ``crop_flip`` with ``pad`` when the loader drew augmentation (``augment``)."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    pad: int = 0
+    augment: bool = False
+
+    def __call__(self, images: torch.Tensor, params: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        x = images.to(device, non_blocking=True).to(dtype)
+        mean = torch.tensor(self.mean, dtype=dtype, device=device).view(1, -1, 1, 1)
+        std = torch.tensor(self.std, dtype=dtype, device=device).view(1, -1, 1, 1)
+        x = (x - mean) / std
+        return crop_flip(x, params, self.pad) if self.augment else x
