@@ -2,6 +2,10 @@
 
 Each fit costs ~20 s of Ray Train start-up on 2 cores, so runs are module-scoped and shared:
   fp64 digits, 2 epochs of 5 steps: 1 worker | 2 workers | 2 workers --no-sync-bn | 2 workers crashing once
+  the same with --augment and loader processes: 1 worker with 2 | 2 workers with 1 each (2 loader
+  processes either way; 2 workers with 2 each would need 6 CPUs, the session's Ray has 4) |
+  1 worker with 2 crashing once
+  an encoded image folder (JPEG and PNG of different sizes): 2 workers, 1 loader process each
   one-step synthetic set (val size 25): fp32 on 1 | 2 | 3 workers, fp64 on 1
 """
 
@@ -10,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import run_cli_json
+from helpers import make_image_folder, run_cli_json
 from raytrain_mp.models import build_model
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # fp64 and fp32 DDP runs
@@ -29,17 +33,22 @@ def storage(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fp64_runs(ray_session, digits_dir, storage, tmp_path_factory):
     marker = tmp_path_factory.mktemp("fault") / "crashed"
+    loader_marker = tmp_path_factory.mktemp("fault") / "crashed"
     runs = {
         "one": ["--num-workers", "1"],
         "two": ["--num-workers", "2"],
         "two_no_sync": ["--num-workers", "2", "--no-sync-bn"],
         "two_crash": ["--num-workers", "2", "--max-failures", "1", "--inject-fault", f"1:1:{marker}"],
-    }
+        "one_loaders": ["--num-workers", "1", "--augment", "--loader-workers", "2"],
+        "two_loaders": ["--num-workers", "2", "--augment", "--loader-workers", "1"],
+        "one_loaders_crash": ["--num-workers", "1", "--augment", "--loader-workers", "2", "--max-failures", "1",
+                              "--inject-fault", f"0:1:{loader_marker}"],
+    }  # fmt: skip
     results = {
         key: run_cli_json("ddp", "--storage-path", storage, "--name", f"fp64-{key}", *FP64_ARGS, *extra)
         for key, extra in runs.items()
     }
-    results["marker"] = marker
+    results["marker"], results["loader_marker"] = marker, loader_marker
     return results
 
 
@@ -58,6 +67,29 @@ def test_world_size_invariance_fp64(fp64_runs):
     assert max_abs_diff(one, two) < 1e-9
     assert fp64_runs["one"]["epochs"] == fp64_runs["two"]["epochs"] == 2
     assert fp64_runs["two"]["world_size"] == 2 and fp64_runs["two"]["global_batch_size"] == 256
+
+
+def test_loader_processes_and_augmentation_keep_both_invariances(fp64_runs):
+    one, two = load_model_pt(fp64_runs["one_loaders"]), load_model_pt(fp64_runs["two_loaders"])
+    assert max_abs_diff(one, two) < 1e-9
+    assert max_abs_diff(one, load_model_pt(fp64_runs["one"])) > 1e-3  # augmentation did change the batches
+    assert fp64_runs["loader_marker"].read_text() == "rank 0 crashed after epoch 1\n"
+    assert fp64_runs["one_loaders_crash"]["epochs"] == 2
+    assert max_abs_diff(one, load_model_pt(fp64_runs["one_loaders_crash"])) < 1e-9
+
+
+def test_an_encoded_image_folder_trains(tmp_path, storage):
+    folder = make_image_folder(tmp_path / "images")
+    data = tmp_path / "prepared"
+    run_cli_json("data", "prepare", f"imagefolder:{folder}", "--encoded", "--image-size", "32", "--out", str(data))
+    result = run_cli_json(
+        "ddp", "--data", str(data), "--augment", "--num-workers", "2", "--loader-workers", "1", "--epochs", "2",
+        "--global-batch-size", "4", "--storage-path", storage, "--name", "encoded", "--log-every", "0",
+    )  # fmt: skip
+    assert result["epochs"] == 2 and result["val_count"] == 3 and result["world_size"] == 2
+    state = load_model_pt(result)
+    assert state["conv1.weight"].shape == (64, 3, 3, 3)  # small stem: 32 px
+    build_model("resnet18", 3, 3, True).load_state_dict(state, strict=True)
 
 
 def test_without_sync_bn_the_model_differs(fp64_runs):
