@@ -141,3 +141,15 @@ def test_a_bad_file_is_named_and_nothing_is_written(tmp_path, capsys, damage, fr
 def test_encoded_is_for_image_folders_only(tmp_path, capsys):
     res = run_cli(capsys, "data", "prepare", "synthetic", "--encoded", "--out", str(tmp_path / "x"))
     assert_usage_error(res, "--encoded: applies to imagefolder:PATH only")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs its checks (minutes)")
+def test_the_gpu_check_script_skips_cleanly_without_cuda(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check_data.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("gpu_check_data: skipped"), done.stderr[-2000:]
+    assert "skipped" in json.loads((tmp_path / "gpu_check_data.json").read_text())
