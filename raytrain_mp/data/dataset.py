@@ -162,7 +162,6 @@ class ParquetImageDataset(Dataset):
             return image, label, torch.tensor(pad_crop(self.seed, epoch, index, h, w))
         return image, label, torch.zeros(PARAMS, dtype=torch.int64)
 
-
     def batch(self, keys: Iterable[int | tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The items of ``keys`` collated as a loader would: (uint8 images, labels, params)."""
         return default_collate([self[key] for key in keys])

@@ -21,7 +21,7 @@ from raytrain_mp.data.augment import SCALE, resized_crop
 from raytrain_mp.data.loader import EpochKeys, make_loader
 from raytrain_mp.data.prepare import write_dataset
 from raytrain_mp.data.sources import make_synthetic_source
-from raytrain_mp.data.transforms import crop_flip
+from raytrain_mp.data.transforms import crop_flip, gathered
 
 CPU = torch.device("cpu")
 
@@ -43,6 +43,8 @@ def test_device_transforms_equal_the_per_sample_path(synthetic, epoch):
     old = PerSampleFloatDataset(synthetic, "train", augment=True, seed=5, dtype=torch.float64)
     old.set_epoch(epoch)
     cropped = crop_flip(images, params, new.transform.pad)
+    padded = torch.nn.functional.pad(images, (new.transform.pad,) * 4)
+    assert torch.equal(gathered(padded, params, 12, 12), cropped)  # the GPU's way, run here on the CPU
     for i in indices:
         expected = old._augmented(new.raw_image(i), i).transpose(2, 0, 1)
         assert torch.equal(cropped[i], torch.from_numpy(np.ascontiguousarray(expected)))
