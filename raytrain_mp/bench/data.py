@@ -17,7 +17,10 @@ Invariants: every loader of a case reads the same images (cut from scikit-learn'
 photos, seeded), with the same batch size and process count; loader processes are persistent and
 one untimed pass over the images starts them and warms the page cache, so a figure is the median
 (and min, max) of ``--repeats`` timed passes; per process figures are the figures divided by the
-process count. Writes ``results.json`` and one bar chart per case.
+process count. Beside wall-clock samples/s, every figure has its samples per CPU second (all
+processes of the loader, this one included): on a shared machine the wall clock measures the
+neighbours too, CPU time only what the loader itself spent. Writes ``results.json`` and one bar
+chart per case.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from raytrain_mp.bench.common import bar_chart, machine, summarize, timed, write_results
+from raytrain_mp.bench.common import bar_chart, machine, summarize, write_results
 from raytrain_mp.bench.config import BenchDataConfig
 from raytrain_mp.bench.data_peers import PerSampleFloatDataset, torchvision_loader
 from raytrain_mp.data import ParquetImageDataset
@@ -46,6 +49,7 @@ CASES = {  # name -> (side in pixels, encoded)
 }
 JPEG_QUALITY = 90
 ENCODED_SIDES = (256, 400)  # encoded case: each file's sides are drawn from this range, as photos vary
+CPU_TICK = 0.01  # the resolution of a process's CPU times: a shorter pass (tiny settings) counts one tick
 
 
 def make_images(folder: Path, count: int, side: int | None, seed: int) -> Path:
@@ -72,9 +76,24 @@ def make_images(folder: Path, count: int, side: int | None, seed: int) -> Path:
     return folder
 
 
-def pass_seconds(loader: DataLoader, repeats: int, transform=None) -> list[float]:
-    """Seconds of each of ``repeats`` full passes over ``loader``, after one untimed pass;
-    ``transform`` (ours plus the CPU batch transform) runs on each batch in this process."""
+def cpu_seconds() -> float:
+    """User + system CPU seconds used so far by this process and its live children (the loader
+    processes): what a pass costs in cores, whatever else shares the machine's cores meanwhile."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:  # a process of a loader measured before, ending now
+            pass
+    return total
+
+
+def measure_passes(loader: DataLoader, repeats: int, transform=None) -> tuple[list[float], list[float]]:
+    """Wall and CPU seconds of each of ``repeats`` full passes over ``loader``, after one untimed
+    pass; ``transform`` (ours plus the CPU batch transform) runs on each batch in this process."""
     sampler = loader.sampler
 
     def one_pass() -> None:
@@ -84,13 +103,25 @@ def pass_seconds(loader: DataLoader, repeats: int, transform=None) -> list[float
             if transform is not None:
                 transform(batch[0], batch[2])
 
-    return timed(one_pass, warmup=1, steps=repeats)
+    one_pass()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        cpu, wall = cpu_seconds(), time.perf_counter()
+        one_pass()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(max(cpu_seconds() - cpu, CPU_TICK))
+    return walls, cpus
 
 
-def rates(seconds: list[float], samples: int, processes: int) -> dict[str, Any]:
-    """samples/s of each pass, summarized, in all and per loader process."""
-    per_second = [samples / s for s in seconds]
-    return {"samples_per_second": summarize(per_second), "per_process": summarize([r / processes for r in per_second])}
+def rates(walls: list[float], cpus: list[float], samples: int, processes: int) -> dict[str, Any]:
+    """samples/s of each pass, summarized: in all, per loader process, and per CPU second that
+    the pass took in all processes (the loader processes and this one)."""
+    per_second = [samples / s for s in walls]
+    return {
+        "samples_per_second": summarize(per_second),
+        "per_process": summarize([r / processes for r in per_second]),
+        "samples_per_cpu_second": summarize([samples / c for c in cpus]),
+    }
 
 
 def measure_case(cfg: BenchDataConfig, name: str, root: Path) -> dict[str, Any]:
@@ -124,21 +155,23 @@ def measure_case(cfg: BenchDataConfig, name: str, root: Path) -> dict[str, Any]:
     for label, (make, transform, count) in loaders.items():
         for workers in cfg.loader_workers:
             # Built here and dropped after: its persistent processes end before the next loader's start.
-            seconds = pass_seconds(make(workers), cfg.repeats, transform)
-            figure = figures.setdefault(label, {})[str(workers)] = rates(seconds, count, workers)
-            print(f"bench data: {name} {label} {workers} process(es): {figure['samples_per_second']['median']:.0f} samples/s", flush=True)
+            walls, cpus = measure_passes(make(workers), cfg.repeats, transform)
+            figure = figures.setdefault(label, {})[str(workers)] = rates(walls, cpus, count, workers)
+            print(f"bench data: {name} {label} {workers} process(es): {figure['samples_per_second']['median']:.0f} samples/s, "
+                  f"{figure['samples_per_cpu_second']['median']:.0f} per CPU second", flush=True)  # fmt: skip
     stored = sum(len(ours_ds.stored(i)) for i in range(len(ours_ds))) / len(ours_ds)
     return {"image_size": side, "encoded": encoded, "train_images": len(ours_ds), "stored_bytes_per_image": stored, "loaders": figures}
 
 
-def ratios(cases: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """The acceptance figures, per process count: ours over the per-sample path (raw 224) and
-    ours over torchvision (encoded), both per loader process, from the medians."""
+def ratios(cases: dict[str, Any], figure: str) -> dict[str, dict[str, float]]:
+    """The acceptance figures, per process count, from the medians of ``figure`` (``per_process``
+    or ``samples_per_cpu_second``): ours over the per-sample path (raw 224), with and without the
+    batch transform on the CPU, and ours over torchvision (encoded)."""
 
     def ratio(case: str, ours: str, peer: str) -> dict[str, float]:
         loaders = cases[case]["loaders"]
         return {
-            workers: loaders[ours][workers]["per_process"]["median"] / loaders[peer][workers]["per_process"]["median"]
+            workers: loaders[ours][workers][figure]["median"] / loaders[peer][workers][figure]["median"]
             for workers in loaders[ours]
         }
 
@@ -175,7 +208,7 @@ def run_bench_data(cfg: BenchDataConfig) -> dict[str, Any]:
         "settings": {"num_images": cfg.num_images, "loader_batch_size": cfg.loader_batch_size,
                      "loader_workers": list(cfg.loader_workers), "repeats": cfg.repeats, "seed": cfg.seed},  # fmt: skip
         "cases": cases,
-        "ratios": ratios(cases),
+        "ratios": {figure: ratios(cases, figure) for figure in ("per_process", "samples_per_cpu_second")},
         "elapsed_seconds": time.perf_counter() - started,
     }
     path = write_results(out, results)

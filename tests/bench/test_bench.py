@@ -206,9 +206,11 @@ def test_bench_data_smoke(tmp_path):
             assert set(by_workers) == {"1", "2"}
             for figure in by_workers.values():
                 assert_spread(figure["samples_per_second"])
+                assert_spread(figure["samples_per_cpu_second"])
             two = by_workers["2"]
             assert two["per_process"]["median"] == pytest.approx(two["samples_per_second"]["median"] / 2)
-    assert set(results["ratios"]["encoded_224_ours_over_torchvision"]) == {"1", "2"}
+    assert set(results["ratios"]) == {"per_process", "samples_per_cpu_second"}
+    assert set(results["ratios"]["per_process"]["encoded_224_ours_over_torchvision"]) == {"1", "2"}
     assert summary["ratios"] == results["ratios"]
     assert_figures_positive(results)
 
