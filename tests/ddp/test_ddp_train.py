@@ -33,23 +33,32 @@ def storage(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fp64_runs(ray_session, digits_dir, storage, tmp_path_factory):
     marker = tmp_path_factory.mktemp("fault") / "crashed"
-    loader_marker = tmp_path_factory.mktemp("fault") / "crashed"
     runs = {
         "one": ["--num-workers", "1"],
         "two": ["--num-workers", "2"],
         "two_no_sync": ["--num-workers", "2", "--no-sync-bn"],
         "two_crash": ["--num-workers", "2", "--max-failures", "1", "--inject-fault", f"1:1:{marker}"],
+    }
+    results = fp64_fits(storage, runs)
+    results["marker"] = marker
+    return results
+
+
+def fp64_fits(storage: str, runs: dict[str, list[str]]) -> dict:
+    return {key: run_cli_json("ddp", "--storage-path", storage, "--name", f"fp64-{key}", *FP64_ARGS, *extra) for key, extra in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def loader_runs(fp64_runs, storage, tmp_path_factory):
+    """Its own fixture: each fixture's fits must finish within one test's timeout on a busy machine."""
+    marker = tmp_path_factory.mktemp("fault") / "crashed"
+    runs = {
         "one_loaders": ["--num-workers", "1", "--augment", "--loader-workers", "2"],
         "two_loaders": ["--num-workers", "2", "--augment", "--loader-workers", "1"],
         "one_loaders_crash": ["--num-workers", "1", "--augment", "--loader-workers", "2", "--max-failures", "1",
-                              "--inject-fault", f"0:1:{loader_marker}"],
+                              "--inject-fault", f"0:1:{marker}"],
     }  # fmt: skip
-    results = {
-        key: run_cli_json("ddp", "--storage-path", storage, "--name", f"fp64-{key}", *FP64_ARGS, *extra)
-        for key, extra in runs.items()
-    }
-    results["marker"], results["loader_marker"] = marker, loader_marker
-    return results
+    return {**fp64_runs, **fp64_fits(storage, runs), "loader_marker": marker}
 
 
 def load_model_pt(result: dict) -> dict[str, torch.Tensor]:
@@ -69,13 +78,13 @@ def test_world_size_invariance_fp64(fp64_runs):
     assert fp64_runs["two"]["world_size"] == 2 and fp64_runs["two"]["global_batch_size"] == 256
 
 
-def test_loader_processes_and_augmentation_keep_both_invariances(fp64_runs):
-    one, two = load_model_pt(fp64_runs["one_loaders"]), load_model_pt(fp64_runs["two_loaders"])
+def test_loader_processes_and_augmentation_keep_both_invariances(loader_runs):
+    one, two = load_model_pt(loader_runs["one_loaders"]), load_model_pt(loader_runs["two_loaders"])
     assert max_abs_diff(one, two) < 1e-9
-    assert max_abs_diff(one, load_model_pt(fp64_runs["one"])) > 1e-3  # augmentation did change the batches
-    assert fp64_runs["loader_marker"].read_text() == "rank 0 crashed after epoch 1\n"
-    assert fp64_runs["one_loaders_crash"]["epochs"] == 2
-    assert max_abs_diff(one, load_model_pt(fp64_runs["one_loaders_crash"])) < 1e-9
+    assert max_abs_diff(one, load_model_pt(loader_runs["one"])) > 1e-3  # augmentation did change the batches
+    assert loader_runs["loader_marker"].read_text() == "rank 0 crashed after epoch 1\n"
+    assert loader_runs["one_loaders_crash"]["epochs"] == 2
+    assert max_abs_diff(one, load_model_pt(loader_runs["one_loaders_crash"])) < 1e-9
 
 
 def test_an_encoded_image_folder_trains(tmp_path, storage):
