@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from raytrain_mp.bench.config import BenchDDPConfig, BenchPipelineConfig
+from raytrain_mp.bench.config import BenchDataConfig, BenchDDPConfig, BenchPipelineConfig
 from raytrain_mp.config import add_arguments, build_config
 from raytrain_mp.data.config import PrepareConfig
 from raytrain_mp.ddp.config import DDPConfig
@@ -47,7 +47,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     meta = prepare(
         cfg.source, cfg.out, rows_per_shard=cfg.rows_per_shard, overwrite=cfg.overwrite,
         val_fraction=cfg.val_fraction, seed=cfg.seed, num_samples=cfg.num_samples,
-        image_size=cfg.image_size, num_classes=cfg.num_classes, channels=cfg.channels,
+        image_size=cfg.image_size, num_classes=cfg.num_classes, channels=cfg.channels, encoded=cfg.encoded,
     )  # fmt: skip
     result = {
         "out": cfg.out,
@@ -56,6 +56,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         "val": meta.counts["val"],
         "image_shape": list(meta.image_shape),
         "num_classes": meta.num_classes,
+        "encoded": meta.encoded,
     }
     emit(result, args.json, f"prepared {cfg.source} into {cfg.out}")
     return 0
@@ -129,6 +130,14 @@ def cmd_bench_ddp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_data(args: argparse.Namespace) -> int:
+    from raytrain_mp.bench.data import run_bench_data
+
+    cfg = build_config(BenchDataConfig, args)
+    emit(run_bench_data(cfg), args.json, f"data benchmark written to {cfg.out}")
+    return 0
+
+
 def add_command(sub, name: str, help_text: str, config_cls: type, handler, positional: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     """A subcommand whose flags are ``config_cls``'s fields (but ``positional``) and whose work is ``handler``."""
     parser = sub.add_parser(name, help=help_text)
@@ -157,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=OneLineParser)
     add_command(bench_sub, "pipeline", "one process vs model parallel vs pipelined schedules", BenchPipelineConfig, cmd_bench_pipeline)
     add_command(bench_sub, "ddp", "Ray Train DDP vs a bare torchrun loop, samples/s", BenchDDPConfig, cmd_bench_ddp)
+    add_command(bench_sub, "data", "loader samples/s: raw and encoded images vs torchvision ImageFolder + PIL", BenchDataConfig, cmd_bench_data)
     return parser
 
 

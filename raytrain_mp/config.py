@@ -46,7 +46,8 @@ LR_DECAYS = ("cosine", "step", "none")
 GROUPS = ("data", "model", "optimization", "distribution", "checkpoints", "sweep", "benchmark", "output")
 FIELD_GROUPS = {
     **dict.fromkeys(("data", "source", "val_fraction", "rows_per_shard", "num_samples", "image_size",
-                     "num_classes", "channels", "overwrite", "augment"), "data"),
+                     "num_classes", "channels", "overwrite", "augment", "encoded", "loader_workers",
+                     "loader_prefetch", "loader_batch_size", "num_images"), "data"),
     **dict.fromkeys(("model", "small_stem", "weights", "precision", "sync_bn", "deferred_bn"), "model"),
     **dict.fromkeys(("epochs", "base_lr", "base_batch", "lr_rule", "warmup_epochs", "lr_decay", "step_epochs",
                      "gamma", "optimizer", "momentum", "weight_decay", "global_batch_size", "batch_size_per_worker",
@@ -58,7 +59,7 @@ FIELD_GROUPS = {
                      "resume"), "checkpoints"),
     **dict.fromkeys(("base_lrs", "lr_min", "lr_max", "global_batch_sizes", "optimizers", "warmup_epochs_grid",
                      "scheduler", "metric", "grace_period", "reduction_factor", "max_concurrent_trials"), "sweep"),
-    **dict.fromkeys(("steps", "warmup", "hybrid", "hybrid_workers", "hybrid_microbatches"), "benchmark"),
+    **dict.fromkeys(("steps", "warmup", "repeats", "hybrid", "hybrid_workers", "hybrid_microbatches"), "benchmark"),
     **dict.fromkeys(("out", "log_every", "verbose", "inject_fault"), "output"),
 }  # fmt: skip
 

@@ -4,7 +4,8 @@
 # Steps: the tests marked `gpu` (NCCL DDP, native SyncBatchNorm, fp16, NCCL pipeline stages; each
 # skips with its reason where there are too few GPUs), the main job on one GPU, `bench ddp` and
 # `bench pipeline` on GPUs (nn.DataParallel and the pipeline need 2+), and the data path's GPU check
-# when it exists. Each step's output goes to OUT/STEP.log; OUT/gpu_check.json is the report:
+# (scripts/gpu_check_data.py: device transforms vs the CPU, nvJPEG decode, how data-bound
+# `ddp --use-gpu` is). Each step's output goes to OUT/STEP.log; OUT/gpu_check.json is the report:
 # per step the command, exit code, seconds, status (passed, failed, skipped) and the reason of a
 # skip. Budget: under 8 minutes on one GPU with 16 CPU cores. Exit code 1 when a step failed.
 set -u

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 from raytrain_mp.cli import main
 
@@ -64,3 +67,19 @@ def run_cli_json(*argv: str) -> dict:
         if line.startswith("{"):
             return json.loads(line)
     raise AssertionError(f"no JSON line in output: {buffer.getvalue()[-2000:]}")
+
+
+def make_image_folder(root: Path, seed: int = 0) -> Path:
+    """3 classes of 5 images each, JPEG and PNG of different sizes, smooth enough for JPEG."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for c in range(3):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(5):
+            h, w = (int(v) for v in rng.integers(40, 100, size=2))
+            base = rng.uniform(30, 220, size=(4, 4, 3))
+            pixels = np.kron(base, np.ones((h // 4 + 1, w // 4 + 1, 1)))[:h, :w] + rng.normal(0, 8, size=(h, w, 3))
+            image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+            image.save(root / f"class{c}" / (f"{i}.jpg" if i % 2 else f"{i}.png"), quality=90)
+    return root

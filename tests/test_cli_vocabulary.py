@@ -58,7 +58,7 @@ def visible_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]
 
 
 def test_every_subcommand_is_listed():
-    assert sorted(subcommands()) == ["bench ddp", "bench pipeline", "data prepare", "ddp", "pipeline", "tune"]
+    assert sorted(subcommands()) == ["bench data", "bench ddp", "bench pipeline", "data prepare", "ddp", "pipeline", "tune"]
 
 
 @pytest.mark.parametrize("pattern, flag", CONCEPTS.items())

@@ -81,4 +81,5 @@ def test_gpu_check_reports_what_it_ran_and_what_it_skipped(tmp_path) -> None:
     for name in ("main_job_1_gpu", "bench_ddp"):
         assert (steps[name]["status"], steps[name]["reason"]) == ("skipped", "no CUDA GPU"), name
     assert steps["bench_pipeline"]["reason"] == "2 stages need 2 GPUs (one each); this machine has 0"
+    assert steps["data_path"]["status"] == "passed"  # scripts/gpu_check_data.py skips by itself, exit 0
     assert json.loads(done.stdout.strip().splitlines()[-1])["passed"] is True

@@ -53,6 +53,7 @@ NOT_HERE = {
     )},
     "raytrain-mp bench pipeline --out docs/bench/pipeline": "6.5 minutes alone on 2 cores; its figures are committed in docs/bench",
     "raytrain-mp bench ddp --out docs/bench/ddp": "6.5 minutes alone on 2 cores; its figures are committed in docs/bench",
+    "raytrain-mp bench data --out docs/bench/data": "minutes on 2 cores; its figures are committed in docs/bench",
 }  # fmt: skip
 
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)

@@ -2,7 +2,8 @@
 
 Modules: ``common`` (timing, summaries, machine description, torchrun launcher, atomic results),
 ``ddp`` with its bare torchrun peer ``ddp_bare``, ``pipeline`` with its
-``torch.distributed.pipelining`` peer ``pipeline_native``.
+``torch.distributed.pipelining`` peer ``pipeline_native``, ``data`` (loaders) with its peers
+``data_peers`` (the per-sample path before, torchvision's ImageFolder + PIL).
 
 May import: the shared layer, and ``raytrain_mp.ddp`` and ``raytrain_mp.pipeline``, which it
 measures (their training step, SyncBatchNorm, evaluation helpers and ``PipelineTrainer``).

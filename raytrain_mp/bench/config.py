@@ -1,4 +1,4 @@
-"""The validated configs of ``raytrain-mp bench ddp`` and ``raytrain-mp bench pipeline``.
+"""The validated configs of ``raytrain-mp bench ddp``, ``bench pipeline`` and ``bench data``.
 
 Pure: no torch, no Ray, no writes (``--help`` builds its parser from these without importing
 torch); ``validate()`` runs before any process or actor starts.
@@ -148,3 +148,27 @@ class BenchPipelineConfig:
     def sweep(self) -> list[int]:
         """The m values run: the requested ones and always m=1 (naive model parallel)."""
         return sorted(set(self.microbatches) | {1})
+
+
+@dataclasses.dataclass
+class BenchDataConfig:
+    out: str = option("", "folder for results.json and the plots")
+    num_images: int = option(512, "images per case, cut from scikit-learn's two sample photos")
+    loader_batch_size: int = option(32, "samples per loader batch")
+    loader_workers: tuple[int, ...] = option((1, 2), "loader process counts to measure")
+    repeats: int = option(3, "timed passes over the images per figure (after one untimed pass)")
+    seed: int = option(0, "seed of the image crops, the sample order and the augmentation")
+    json: bool = False
+
+    def validate(self) -> None:
+        check(bool(self.out), "out", "an output folder is required")
+        check_local("out", self.out, "a local folder (results.json and PNG plots are written there atomically)")
+        check_writable("out", self.out)
+        check(self.loader_batch_size >= 1, "loader_batch_size", f"must be >= 1, got {self.loader_batch_size}")
+        check(
+            self.num_images >= 2 * self.loader_batch_size,
+            "num_images",
+            f"must be at least twice --loader-batch-size {self.loader_batch_size}, got {self.num_images}",
+        )
+        check(len(self.loader_workers) >= 1 and min(self.loader_workers) >= 1, "loader_workers", f"each count must be >= 1, got {list(self.loader_workers)}")
+        check(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")

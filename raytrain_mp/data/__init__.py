@@ -2,8 +2,11 @@
 
 Part of the shared layer: every capability reads its data through this package. Modules:
 ``format`` (schema and metadata), ``sources`` (digits, synthetic, CIFAR-10, image folders),
-``prepare`` (sources to shards), ``dataset`` (the torch Dataset), ``default`` (the built-in data
-set), ``config`` (``PrepareConfig`` of ``raytrain-mp data prepare``).
+``encoded`` (JPEG/PNG files: checked at prepare, decoded in the loader), ``prepare`` (sources to
+shards), ``dataset`` (the torch Dataset of uint8 samples), ``augment`` (the random draws, keyed by
+(seed, epoch, index)), ``transforms`` (the batch transforms on the training device), ``loader``
+(loader processes), ``default`` (the built-in data set), ``config`` (``PrepareConfig`` of
+``raytrain-mp data prepare``).
 
 May import: ``raytrain_mp.config``, ``raytrain_mp.errors`` and ``raytrain_mp.storage``; no capability.
 """

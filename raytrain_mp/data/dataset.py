@@ -6,23 +6,35 @@ Invariants:
 - Opening validates before any training step: every shard is readable Parquet with the expected
   columns, row counts match the metadata, every label is in [0, num_classes) and every image has
   H*W*C bytes. A bad shard is a one-line ``UsageError`` naming the file.
-- Item ``i`` depends only on (``i``, ``seed``, epoch): normalization from the metadata, and, when
-  ``augment`` is on, a random crop (zero padding of size/8) and horizontal flip drawn from a
-  generator seeded by (seed, epoch, i), so runs are reproducible whatever the worker count.
+- An item is ``(image, label, params)``: the image as uint8 (C, H, W), never normalized here (that
+  is ``transform``'s job, batched on the training device), and ``params`` the int64 (top, left,
+  flip) of its augmentation. Item ``i`` depends only on (``i``, ``seed``, epoch): the draws come
+  from ``data.augment``, keyed by (seed, epoch, i), so runs are reproducible whatever the number
+  of workers or loader processes. A key may be ``(epoch, i)`` (what ``data.loader.EpochKeys``
+  yields), so loader processes that outlive an epoch need no ``set_epoch`` of their own.
+- Raw images (``meta.encoded`` false) are stored at their training size: augmentation is a crop
+  of the zero-padded image and a flip. Encoded images are decoded here (in the loader process)
+  to the training size by ``data.encoded``: RandomResizedCrop for training, Resize + CenterCrop
+  for evaluation; their flip is left to ``transform``.
 - The pyarrow table is opened lazily and dropped on pickling, so the object ships cheaply to
   Ray workers and DataLoader worker processes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
+from raytrain_mp.data.augment import PARAMS, pad_crop, pad_width
+from raytrain_mp.data.encoded import train_view, val_view
 from raytrain_mp.data.format import SCHEMA, DatasetMeta, read_meta
+from raytrain_mp.data.transforms import BatchTransform
 from raytrain_mp.errors import UsageError
 from raytrain_mp.storage import locate
 
@@ -42,7 +54,7 @@ def _read_shard(fs, path: str, display: str) -> pa.Table:
 
 
 class ParquetImageDataset(Dataset):
-    """Samples ``(image, label)``: image a (C, H, W) tensor of ``dtype``, label an int."""
+    """Samples ``(image, label, params)``: uint8 (C, H, W), an int, int64 (top, left, flip)."""
 
     def __init__(
         self,
@@ -51,20 +63,16 @@ class ParquetImageDataset(Dataset):
         *,
         augment: bool = False,
         seed: int = 0,
-        dtype: torch.dtype = torch.float32,
         meta: DatasetMeta | None = None,
     ) -> None:
         self.root = str(root)
         self.split = split
         self.augment = augment
         self.seed = seed
-        self.dtype = dtype
         self.epoch = 0
         self.meta = meta or read_meta(self.root)
         if split not in self.meta.shards:
             raise UsageError(f"--data: {self.root} has no {split!r} split; it has {sorted(self.meta.shards)}")
-        self._mean = np.asarray(self.meta.mean, dtype=np.float64)
-        self._std = np.asarray(self.meta.std, dtype=np.float64)
         self._table: pa.Table | None = None
         table = self._open()
         self._labels = table.column("label").to_numpy()
@@ -94,6 +102,8 @@ class ParquetImageDataset(Dataset):
             raise UsageError(
                 f"--data: {where} has labels out of range ({lo}..{hi}); accepted: 0..{self.meta.num_classes - 1}"
             )
+        if self.meta.encoded:
+            return  # each file has its own size; data prepare decoded every one
         nbytes = int(np.prod(self.meta.image_shape))
         lengths = pc.binary_length(table.column("image"))
         if pc.min(lengths).as_py() != nbytes or pc.max(lengths).as_py() != nbytes:
@@ -125,23 +135,36 @@ class ParquetImageDataset(Dataset):
         buf = self._open().column("image")[index].as_buffer()
         return np.frombuffer(buf, dtype=np.uint8).reshape(self.meta.image_shape)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image = (self.raw_image(index) - self._mean) / self._std  # float64, HWC
-        if self.augment:
-            image = self._augmented(image, index)
-        tensor = torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1))).to(self.dtype)
-        return tensor, int(self._labels[index])
+    @property
+    def transform(self) -> BatchTransform:
+        """What turns a batch of these items into the model's input on the training device."""
+        h, w, _ = self.meta.image_shape
+        pad = 0 if self.meta.encoded else pad_width(h, w)
+        return BatchTransform(tuple(self.meta.mean), tuple(self.meta.std), pad, self.augment)
 
-    def _augmented(self, image: np.ndarray, index: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, self.epoch, index])
-        h, w, _ = image.shape
-        pad = max(1, max(h, w) // 8)
-        padded = np.pad(image, ((pad, pad), (pad, pad), (0, 0)))
-        top, left = rng.integers(0, 2 * pad + 1, size=2)
-        image = padded[top : top + h, left : left + w]
-        if rng.random() < 0.5:
-            image = image[:, ::-1]
-        return image
+    def stored(self, index: int) -> bytes:
+        """The image column's bytes of one sample: raw HWC pixels, or an encoded file."""
+        return self._open().column("image")[index].as_py()
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int, torch.Tensor]:
+        epoch, index = key if isinstance(key, tuple) else (self.epoch, key)
+        label = int(self._labels[index])
+        if self.meta.encoded:
+            size = self.meta.image_shape[0]
+            if self.augment:
+                image, flip = train_view(self.stored(index), size, self.seed, epoch, index)
+                return image, label, torch.tensor([0, 0, flip])
+            return val_view(self.stored(index), size), label, torch.zeros(PARAMS, dtype=torch.int64)
+        # A copy: arrow's buffer is read-only, and the collated batch wants its own memory anyway.
+        image = torch.from_numpy(self.raw_image(index).transpose(2, 0, 1).copy())
+        if self.augment:
+            h, w, _ = self.meta.image_shape
+            return image, label, torch.tensor(pad_crop(self.seed, epoch, index, h, w))
+        return image, label, torch.zeros(PARAMS, dtype=torch.int64)
+
+    def batch(self, keys: Iterable[int | tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The items of ``keys`` collated as a loader would: (uint8 images, labels, params)."""
+        return default_collate([self[key] for key in keys])
 
 
 def checked_dataset(data: str | None, batch_size: int, batch_option: str) -> tuple[str, DatasetMeta]:

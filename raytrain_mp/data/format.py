@@ -3,13 +3,16 @@
 Layout of a data set folder (local path or a pyarrow/fsspec URI such as ``s3://bucket/digits``)::
 
     metadata.json            DatasetMeta below
-    train/part-00000.parquet one row per sample: image (binary, raw uint8 H*W*C bytes, HWC order),
+    train/part-00000.parquet one row per sample: image (binary: raw uint8 H*W*C bytes, HWC order;
+                                                 or, when ``encoded``, the JPEG or PNG file as is),
     val/part-00000.parquet                       label (int64 in [0, num_classes)),
                                                  id (int64, the sample's position in its source)
 
 Invariants: ``metadata.json`` is written last, after every shard, so a folder with metadata is
 complete; the per-channel ``mean``/``std`` are of the train split in raw pixel units (no /255), so a
 trainer normalizes with them and nothing else; ``counts`` equals the rows in each split's shards.
+``image_shape`` is the shape training sees: the stored shape of raw images, and for encoded ones
+(``encoded`` true) the square that decoding crops them to, whatever each file's own size.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class DatasetMeta:
     std: list[float]
     counts: dict[str, int]
     shards: dict[str, list[str]] = field(default_factory=dict)  # split -> file names in order
+    encoded: bool = False  # image column holds JPEG/PNG files (decoded in the loader), not raw pixels
     format_version: int = FORMAT_VERSION
 
     @property

@@ -24,11 +24,14 @@ from raytrain_mp.data.sources import (
     RawSplit,
     load_cifar10_source,
     load_digits_source,
+    load_encoded_imagefolder_source,
     load_imagefolder_source,
     make_synthetic_source,
 )
 from raytrain_mp.errors import UsageError
 from raytrain_mp.storage import Location, check_reachable, delete_folder, is_uri, locate, publish_folder
+
+ENCODED_SIZE = 224  # the ImageNet recipe's crop, when --encoded comes without --image-size
 
 
 def load_source(
@@ -40,9 +43,12 @@ def load_source(
     image_size: int | None = None,
     num_classes: int = 10,
     channels: int = 3,
+    encoded: bool = False,
 ) -> RawDataset:
     """Dispatch a SOURCE argument (``digits``, ``synthetic``, ``cifar10:PATH``, ``imagefolder:PATH``)."""
     kind, _, path = spec.partition(":")
+    if encoded and kind == "imagefolder" and path:
+        return load_encoded_imagefolder_source(path, val_fraction, seed, image_size or ENCODED_SIZE)
     if kind == "digits" and not path:
         return load_digits_source(val_fraction, seed)
     if kind == "synthetic" and not path:
@@ -68,7 +74,7 @@ def _write_split(split: RawSplit, folder: Path, rows_per_shard: int) -> list[str
         images = split.images[start:stop]
         table = pa.table(
             {
-                "image": pa.array([im.tobytes() for im in images], type=pa.binary()),
+                "image": pa.array([im if isinstance(im, bytes) else im.tobytes() for im in images], type=pa.binary()),
                 "label": pa.array(split.labels[start:stop], type=pa.int64()),
                 "id": pa.array(split.ids[start:stop], type=pa.int64()),
             },
@@ -100,10 +106,15 @@ def write_dataset(raw: RawDataset, out: str | Path, rows_per_shard: int = 10_000
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        mean, std = _channel_stats(raw.train.images)
+        if raw.encoded_size is not None:
+            (mean, std), image_shape = raw.stats, (raw.encoded_size, raw.encoded_size, 3)
+        else:
+            mean, std = _channel_stats(raw.train.images)
+            image_shape = tuple(int(v) for v in raw.train.images.shape[1:])
         meta = DatasetMeta(
             source=raw.source,
-            image_shape=tuple(int(v) for v in raw.train.images.shape[1:]),
+            image_shape=image_shape,
+            encoded=raw.encoded_size is not None,
             num_classes=len(raw.class_names),
             class_names=list(raw.class_names),
             mean=mean,

@@ -4,6 +4,10 @@ Each reader returns a ``RawDataset`` and knows nothing of Parquet. Invariants: i
 shape (N, H, W, C), labels int64 in [0, num_classes), ``ids`` are each sample's position in its
 source (so a prepared set can be traced back), and every seeded split or synthetic draw is a pure
 function of its arguments. Bad inputs raise ``UsageError`` naming the path and the expected layout.
+
+An encoded ImageFolder (``encoded_size`` set) holds each file's bytes instead (an object array of
+``bytes``), every file decoded once to check it, and ``stats`` carries the train split's
+per-channel mean and std, merged from per-image moments (Chan et al.), since the pixels are not kept.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class RawDataset:
     train: RawSplit
     val: RawSplit
     class_names: list[str]
+    encoded_size: int | None = None  # encoded: the side images are decoded and cropped to
+    stats: tuple[list[float], list[float]] | None = None  # encoded: train mean and std per channel
 
 
 def seeded_split(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -144,16 +150,21 @@ def load_cifar10_source(path: str) -> RawDataset:
     return _presplit("cifar10", tr_x, tr_y, va_x, va_y, names)
 
 
-def _read_imagefolder(root: Path, image_size: int | None) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    from PIL import Image, UnidentifiedImageError
+def _image_folder(root: Path):
     from torchvision.datasets import ImageFolder
 
     try:
-        folder = ImageFolder(str(root))
+        return ImageFolder(str(root))
     except (FileNotFoundError, RuntimeError) as exc:
         raise UsageError(
             f"imagefolder: {root} is not an ImageFolder tree (one sub-folder of images per class): {exc}"
         ) from exc
+
+
+def _read_imagefolder(root: Path, image_size: int | None) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    from PIL import Image, UnidentifiedImageError
+
+    folder = _image_folder(root)
     images = []
     first_shape = None
     for file, _ in folder.samples:
@@ -177,13 +188,61 @@ def _read_imagefolder(root: Path, image_size: int | None) -> tuple[np.ndarray, n
     return np.stack(images), labels, list(folder.classes)
 
 
+def _read_encoded(root: Path) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:
+    """Files as bytes, labels, class names, and per image (pixel count, channel means, channel M2)."""
+    from raytrain_mp.data.encoded import check_file
+
+    folder = _image_folder(root)
+    files, moments = [], []
+    for file, _ in folder.samples:
+        pixels = check_file(file).reshape(-1, 3).astype(np.float64)
+        mean = pixels.mean(axis=0)
+        moments.append(np.concatenate([[len(pixels)], mean, ((pixels - mean) ** 2).sum(axis=0)]))
+        files.append(Path(file).read_bytes())
+    data = np.empty(len(files), dtype=object)
+    data[:] = files
+    return data, np.asarray(folder.targets, dtype=np.int64), list(folder.classes), np.stack(moments)
+
+
+def merged_stats(moments: np.ndarray) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std over all pixels of the images whose rows of moments are given."""
+    counts, means, m2s = moments[:, :1], moments[:, 1:4], moments[:, 4:]
+    total = counts.sum()
+    mean = (counts * means).sum(axis=0) / total
+    std = np.sqrt((m2s.sum(axis=0) + (counts * (means - mean) ** 2).sum(axis=0)) / total)
+    return mean.tolist(), np.where(std > 0, std, 1.0).tolist()
+
+
+def load_encoded_imagefolder_source(path: str, val_fraction: float = 0.2, seed: int = 0, image_size: int = 224) -> RawDataset:
+    """An ImageFolder kept as its JPEG and PNG files, every one checked; layout as ``load_imagefolder_source``."""
+    root = _imagefolder_root(path)
+    if (root / "train").is_dir() and (root / "val").is_dir():
+        tr_x, tr_y, names, tr_m = _read_encoded(root / "train")
+        va_x, va_y, va_names, _ = _read_encoded(root / "val")
+        if va_names != names:
+            raise UsageError(f"imagefolder: {root}/train and {root}/val have different class folders")
+        raw = _presplit("imagefolder", tr_x, tr_y, va_x, va_y, names)
+        train_moments = tr_m
+    else:
+        files, labels, names, moments = _read_encoded(root)
+        raw = _split("imagefolder", files, labels, names, val_fraction, seed)
+        train_moments = moments[raw.train.ids]
+    raw.encoded_size, raw.stats = image_size, merged_stats(train_moments)
+    return raw
+
+
+def _imagefolder_root(path: str) -> Path:
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise UsageError(f"imagefolder: no such folder {path}")
+    return root
+
+
 def load_imagefolder_source(
     path: str, val_fraction: float = 0.2, seed: int = 0, image_size: int | None = None
 ) -> RawDataset:
     """torchvision's ImageFolder layout: PATH/CLASS/IMAGE, or PATH/train/CLASS/... and PATH/val/CLASS/..."""
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise UsageError(f"imagefolder: no such folder {path}")
+    root = _imagefolder_root(path)
     if (root / "train").is_dir() and (root / "val").is_dir():
         tr_x, tr_y, names = _read_imagefolder(root / "train", image_size)
         va_x, va_y, va_names = _read_imagefolder(root / "val", image_size)

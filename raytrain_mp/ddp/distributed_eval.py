@@ -9,7 +9,7 @@ Metrics are summed (loss sum, correct count, sample count) and all-reduced, neve
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
 import torch
@@ -42,12 +42,15 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device, autocast=nullcontext) -> dict[str, float]:
-    """Global loss, accuracy and the exact number of samples evaluated across all ranks."""
+def evaluate(
+    model: nn.Module, loader, to_input: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device, autocast=nullcontext
+) -> dict[str, float]:
+    """Global loss, accuracy and the exact number of samples evaluated across all ranks; the
+    loader yields (uint8 images, labels, params) and ``to_input`` makes the model's input of them."""
     model.eval()
     loss_sum = correct = count = 0.0
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    for images, y, params in loader:
+        x, y = to_input(images, params), y.to(device, non_blocking=True)
         with autocast():
             logits = model(x)
         loss_sum += nn.functional.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y, reduction="sum").item()

@@ -11,6 +11,9 @@ report). Invariants that make the trained model independent of the number of wor
   optimizer step, times W because DDP averages gradients over ranks: the gradient is the
   single-process full-batch mean gradient, also when ranks hold different numbers of samples.
 - BatchNorm is synchronized (``convert_sync_batchnorm``) unless ``sync_bn`` is off.
+- Batches arrive as uint8 from ``--loader-workers`` loader processes and become the model's input
+  on the device, in its dtype (``ParquetImageDataset.transform``); the augmentation they carry is
+  keyed by (seed, epoch, index), so neither the process count nor a resume changes a batch.
 - Every rank calls ``ray.train.report`` once per epoch; only rank 0 attaches a checkpoint.
 """
 
@@ -27,12 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 from raytrain_mp.checkpointing import load_checkpoint, plain_state_dict, read_checkpoint, rng_states, set_rng_states, write_checkpoint
 from raytrain_mp.config import to_yaml
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
+from raytrain_mp.data.loader import EpochKeys, make_loader
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate
 from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.storage import join, locate, name_of
@@ -71,7 +75,7 @@ def train_loop_per_worker(config: dict) -> None:
     cfg = DDPConfig(**config)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(cfg.cpus_per_worker)  # Ray sets OMP_NUM_THREADS; torch's pool is ours to size
+    torch.set_num_threads(cfg.torch_threads)  # Ray sets OMP_NUM_THREADS; torch's pool is ours to size
     device = ray.train.torch.get_device()
     num_nodes = count_nodes(world)
     if rank == 0:
@@ -82,13 +86,15 @@ def train_loop_per_worker(config: dict) -> None:
     # Data: per-rank batch of a fixed global batch; the val split is sharded without padding.
     root = resolve_dataset(cfg.data)
     meta = read_meta(root)
-    train_ds = ParquetImageDataset(root, "train", augment=cfg.augment, seed=cfg.seed, dtype=dtype, meta=meta)
-    val_ds = ParquetImageDataset(root, "val", dtype=dtype, meta=meta)
+    train_ds = ParquetImageDataset(root, "train", augment=cfg.augment, seed=cfg.seed, meta=meta)
+    val_ds = ParquetImageDataset(root, "val", meta=meta)
     micro_batch = cfg.global_batch_size // (world * cfg.grad_accum_steps)
-    sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
-    pin = device.type == "cuda"
-    train_loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, pin_memory=pin)
-    val_loader = DataLoader(val_ds, batch_size=max(micro_batch, 64), sampler=ShardSampler(len(val_ds), rank, world), pin_memory=pin)
+    sampler = EpochKeys(DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed))
+    loading = {"workers": cfg.loaders, "prefetch": cfg.loader_prefetch, "pin": device.type == "cuda"}
+    train_loader = make_loader(train_ds, micro_batch, sampler, **loading)
+    val_sampler = EpochKeys(ShardSampler(len(val_ds), rank, world))
+    val_loader = make_loader(val_ds, max(micro_batch, 64), val_sampler, **loading, persistent=False)
+    to_input = partial(train_ds.transform, device=device, dtype=dtype)
     steps_per_epoch = len(train_ds) // cfg.global_batch_size
     if steps_per_epoch < 1:
         raise ValueError(f"--global-batch-size {cfg.global_batch_size} exceeds the {len(train_ds)} training samples")
@@ -133,16 +139,15 @@ def train_loop_per_worker(config: dict) -> None:
 
     for epoch in range(start_epoch, cfg.epochs):
         sampler.set_epoch(epoch)
-        train_ds.set_epoch(epoch)
         ddp.train()
         started = time.perf_counter()
         batches = iter(train_loader)
         loss_sum = samples = 0.0
         for step in range(steps_per_epoch):
             micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
-            (step_count,) = all_reduce_sum([float(sum(len(y) for _, y in micro))], device)
-            for i, (x, y) in enumerate(micro):
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            (step_count,) = all_reduce_sum([float(sum(len(y) for _, y, _ in micro))], device)
+            for i, (images, y, params) in enumerate(micro):
+                x, y = to_input(images, params), y.to(device, non_blocking=True)
                 sync = ddp.no_sync if i < len(micro) - 1 else nullcontext
                 with sync(), autocast():
                     logits = ddp(x)
@@ -163,7 +168,7 @@ def train_loop_per_worker(config: dict) -> None:
         metrics = {
             "epoch": epoch + 1,
             "train_loss": train_loss_sum / train_samples,
-            **evaluate(ddp, val_loader, device, autocast),
+            **evaluate(ddp, val_loader, partial(val_ds.transform, device=device, dtype=dtype), device, autocast),
             "samples_per_second": train_samples / elapsed,
             "lr": step_lr,
             "world_size": world,

@@ -40,14 +40,14 @@ def with_cluster_settings(cfg: DDPConfig) -> DDPConfig:
     use_gpu = resolve_use_gpu(cfg.use_gpu, cfg.num_workers, "workers")
     if cfg.precision == "fp16" and not use_gpu:
         raise UsageError("--precision: fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32")
-    check_fits("--num-workers", cfg.num_workers, cfg.cpus_per_worker, 1 if use_gpu else 0)
+    check_fits("--num-workers", cfg.num_workers, cfg.bundle_cpus, 1 if use_gpu else 0)
     name = cfg.name or time.strftime("ddp-%Y%m%d-%H%M%S")
     return dataclasses.replace(cfg, use_gpu=use_gpu, name=name, storage_path=absolute_path(cfg.storage_path))
 
 
 def build_trainer(cfg: DDPConfig, callbacks: Sequence[UserCallback] = ()) -> TorchTrainer:
     """A TorchTrainer for an already prepared config; ``callbacks`` (e.g. Tune's report) join its RunConfig."""
-    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
+    resources = {"CPU": cfg.bundle_cpus, **({"GPU": 1} if cfg.use_gpu else {})}
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=dataclasses.asdict(cfg),

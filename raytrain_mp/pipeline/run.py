@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from functools import partial
 from pathlib import Path
 
 import ray
@@ -137,10 +138,10 @@ def epoch_batches(length: int, batch_size: int, seed: int, epoch: int) -> list[t
     return list(order[: length // batch_size * batch_size].split(batch_size))
 
 
-def evaluate(trainer: PipelineTrainer, loader: DataLoader) -> dict[str, float]:
+def evaluate(trainer: PipelineTrainer, loader: DataLoader, to_input) -> dict[str, float]:
     loss_sum = correct = count = 0.0
-    for x, y in loader:
-        logits = trainer.predict(x)
+    for images, y, params in loader:
+        logits = trainer.predict(to_input(images, params))
         loss_sum += nn.functional.cross_entropy(logits.double(), y, reduction="sum").item()
         correct += (logits.argmax(dim=1) == y).sum().item()
         count += len(y)
@@ -167,15 +168,19 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     dtype = torch.float64 if cfg.precision == "fp64" else torch.float32
     meta = read_meta(cfg.data)
     model = build_run_model(cfg, meta)
-    train_ds = ParquetImageDataset(cfg.data, "train", augment=cfg.augment, seed=cfg.seed, dtype=dtype, meta=meta)
-    val_loader = DataLoader(ParquetImageDataset(cfg.data, "val", dtype=dtype, meta=meta), batch_size=cfg.global_batch_size)
+    train_ds = ParquetImageDataset(cfg.data, "train", augment=cfg.augment, seed=cfg.seed, meta=meta)
+    val_ds = ParquetImageDataset(cfg.data, "val", meta=meta)
+    val_loader = DataLoader(val_ds, batch_size=cfg.global_batch_size)
+    to_input = partial(train_ds.transform, device=torch.device("cpu"), dtype=dtype)  # the driver feeds stage 0
+    to_val_input = partial(val_ds.transform, device=torch.device("cpu"), dtype=dtype)
     steps_per_epoch = len(train_ds) // cfg.global_batch_size
     schedule = make_schedule(
         cfg.base_lr, cfg.global_batch_size, cfg.base_batch, cfg.lr_rule, cfg.warmup_epochs,
         cfg.epochs, steps_per_epoch, cfg.lr_decay, cfg.step_epochs, cfg.gamma,
     )  # fmt: skip
     run = run_location(cfg)
-    sample = torch.stack([train_ds[i][0] for i in range(cfg.global_batch_size)])  # what time balancing profiles
+    images, _, params = train_ds.batch(range(cfg.global_batch_size))
+    sample = to_input(images, params)  # what time balancing profiles
 
     failures = 0
     while True:
@@ -200,7 +205,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 trainer.load_optimizer_state_dicts(optimizer_states)
             trainer.steps_done = start_epoch * steps_per_epoch
             print_placement(trainer)
-            summary = train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, start_epoch, run)
+            summary = train_epochs(cfg, trainer, (train_ds, to_input), (val_loader, to_val_input), schedule, steps_per_epoch, start_epoch, run)
             stages = [{**dataclasses.asdict(plan), "node_id": node} for plan, node in zip(trainer.plan, trainer.nodes)]
             actors = [
                 {"replica": index // trainer.num_stages, "stage": index % trainer.num_stages, "node_id": node}
@@ -252,16 +257,17 @@ def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch
     )  # fmt: skip
 
 
-def train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, start_epoch, run: Location) -> dict:
+def train_epochs(cfg, trainer, train, val, schedule, steps_per_epoch, start_epoch, run: Location) -> dict:
+    """Epochs of training; ``train`` and ``val`` are each (the data, what makes a model input of a batch)."""
     metrics: dict = {}
     checkpoint = latest_complete(run, CHECKPOINT_PREFIX)
+    train_ds, to_input = train
     for epoch in range(start_epoch, cfg.epochs):
-        train_ds.set_epoch(epoch)
         started = time.perf_counter()
         loss_sum = 0.0
         for step, indices in enumerate(epoch_batches(len(train_ds), cfg.global_batch_size, cfg.seed, epoch)):
-            batch = [train_ds[int(i)] for i in indices]
-            x, y = torch.stack([b[0] for b in batch]), torch.tensor([b[1] for b in batch])
+            images, y, params = train_ds.batch((epoch, int(i)) for i in indices)
+            x = to_input(images, params)
             trainer.set_lr(schedule(epoch * steps_per_epoch + step))
             loss_sum += trainer.train_step(x, y)
             if cfg.log_every and (step + 1) % cfg.log_every == 0:
@@ -271,7 +277,7 @@ def train_epochs(cfg, trainer, train_ds, val_loader, schedule, steps_per_epoch, 
         metrics = {
             "epoch": epoch + 1,
             "train_loss": loss_sum / steps_per_epoch,
-            **evaluate(trainer, val_loader),
+            **evaluate(trainer, *val),
             "samples_per_second": steps_per_epoch * cfg.global_batch_size / elapsed,
             "bubble_fraction": stats["bubble_fraction"],
             "lr": schedule(epoch * steps_per_epoch + steps_per_epoch - 1),

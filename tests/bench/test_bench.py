@@ -1,4 +1,4 @@
-"""Smoke tests of ``raytrain-mp bench pipeline|ddp`` at tiny sizes: the JSON schema, every figure
+"""Smoke tests of ``raytrain-mp bench pipeline|ddp|data`` at tiny sizes: the JSON schema, every figure
 positive and finite, the plots written. No timing is asserted: the machine is shared."""
 
 from __future__ import annotations
@@ -206,6 +206,34 @@ def test_bench_ddp_smoke(ray_session, tmp_path):
     assert_figures_positive({k: v for k, v in results.items() if k != "data_parallel"})
 
 
+@pytest.mark.slow
+def test_bench_data_smoke(tmp_path):
+    out = tmp_path / "data"
+    summary = run_cli_json("bench", "data", "--out", str(out), "--num-images", "32", "--loader-batch-size", "8",
+                           "--loader-workers", "1,2", "--repeats", "1")  # fmt: skip
+    results = json.loads((out / "results.json").read_text())
+    assert [Path(p).name for p in summary["plots"]] == [f"{case}_per_process.png" for case in ("raw_32", "raw_224", "encoded_jpeg_224")]
+    assert all(Path(p).stat().st_size > 0 for p in summary["plots"])
+    assert_machine(results)
+    cases = results["cases"]
+    assert set(cases["raw_224"]["loaders"]) == {"ours_uint8", "ours_plus_cpu_transform", "per_sample_float_before", "torchvision_imagefolder_pil"}
+    assert set(cases["encoded_jpeg_224"]["loaders"]) == {"ours_uint8", "torchvision_imagefolder_pil"}
+    assert cases["raw_224"]["stored_bytes_per_image"] == 224 * 224 * 3
+    assert cases["encoded_jpeg_224"]["stored_bytes_per_image"] < 224 * 224 * 3 and cases["encoded_jpeg_224"]["encoded"]
+    for case in cases.values():
+        for by_workers in case["loaders"].values():
+            assert set(by_workers) == {"1", "2"}
+            for figure in by_workers.values():
+                assert_spread(figure["samples_per_second"])
+                assert_spread(figure["samples_per_cpu_second"])
+            two = by_workers["2"]
+            assert two["per_process"]["median"] == pytest.approx(two["samples_per_second"]["median"] / 2)
+    assert set(results["ratios"]) == {"per_process", "samples_per_cpu_second"}
+    assert set(results["ratios"]["per_process"]["encoded_224_ours_over_torchvision"]) == {"1", "2"}
+    assert summary["ratios"] == results["ratios"]
+    assert_figures_positive(results)
+
+
 def test_bench_bad_input(capsys, tmp_path):
     out = str(tmp_path / "x")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--split-points", "layer2,layer3"), "--split-points")
@@ -229,6 +257,9 @@ def test_bench_bad_input(capsys, tmp_path):
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--num-workers", "0"), "--num-workers")
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--steps", "0"), "--steps")
     assert_usage_error(run_cli(capsys, "bench", "ddp"), "--out")
+    assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--loader-workers", "0,1"), "--loader-workers: each count must be >= 1")
+    assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--num-images", "40"), "--num-images: must be at least twice --loader-batch-size 32")
+    assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--repeats", "0"), "--repeats: must be >= 1")
 
 
 def test_bench_refuses_gpus_that_are_not_there(capsys, tmp_path):

@@ -49,7 +49,9 @@ def test_digits_round_trip_is_exactly_sklearn(tmp_path, capsys):
     meta = read_meta(str(out))
     assert meta.image_shape == (8, 8, 1) and meta.num_classes == 10
     train = ParquetImageDataset(str(out), "train")
-    x, y = train[0]
+    image, y, params = train[0]
+    assert image.shape == (1, 8, 8) and image.dtype == torch.uint8 and params.tolist() == [0, 0, 0]
+    x = train.transform(image[None], params[None], torch.device("cpu"), torch.float32)[0]
     expected = (train.raw_image(0).astype(np.float64) - meta.mean[0]) / meta.std[0]
     assert x.shape == (1, 8, 8) and x.dtype == torch.float32
     assert torch.allclose(x[0], torch.from_numpy(expected[..., 0]).float())
@@ -137,19 +139,17 @@ def test_synthetic_round_trip_identical_tensors(tmp_path, capsys):
     meta = read_meta(str(out))
     assert len(meta.shards["train"]) == 4  # 32 rows in shards of 9
     for split, part in (("train", raw.train), ("val", raw.val)):
-        ds = ParquetImageDataset(str(out), split, dtype=torch.float64)
+        ds = ParquetImageDataset(str(out), split)
         mean, std = np.asarray(meta.mean), np.asarray(meta.std)
-        for i in range(len(ds)):
-            x, y = ds[i]
-            ref = torch.from_numpy(((part.images[i] - mean) / std).transpose(2, 0, 1).copy())
-            assert torch.equal(x, ref)
-            assert y == part.labels[i]
+        images, labels, params = ds.batch(range(len(ds)))
+        assert torch.equal(images, torch.from_numpy(part.images.transpose(0, 3, 1, 2).copy()))
+        assert labels.tolist() == part.labels.tolist()
+        x = ds.transform(images, params, torch.device("cpu"), torch.float64)
+        assert torch.equal(x, torch.from_numpy(((part.images - mean) / std).transpose(0, 3, 1, 2).copy()))
     again = ParquetImageDataset(str(out), "train", augment=True, seed=3)
     again.set_epoch(1)
-    first = again[5][0]
-    assert torch.equal(first, again[5][0])  # augmentation is a function of (seed, epoch, index)
-    again.set_epoch(2)
-    assert any(not torch.equal(again[i][0], ParquetImageDataset(str(out), "train", augment=True, seed=3)[i][0]) for i in range(8))
+    assert torch.equal(again[5][2], again[(1, 5)][2])  # augmentation is a function of (seed, epoch, index)
+    assert any(not torch.equal(again[(2, i)][2], again[(1, i)][2]) for i in range(8))
 
 
 @pytest.mark.parametrize("replicas", [2, 3])

@@ -27,6 +27,9 @@ from helpers import assert_usage_error, run_cli
         (["--weights", "/no/such/model.pt"], ["--weights: no such file /no/such/model.pt"]),
         (["--resume-from", "/no/such/ckpt"], ["--resume-from: /no/such/ckpt holds no model.pt"]),
         (["--warmup-epochs", "-1"], ["--warmup-epochs: must be >= 0"]),
+        (["--loader-workers", "-1"], ["--loader-workers: must be >= 0, got -1"]),
+        (["--loader-workers", "two"], ["--loader-workers: expected int, got 'two'"]),
+        (["--loader-prefetch", "0"], ["--loader-prefetch: must be >= 1, got 0"]),
     ],
 )
 def test_bad_options(tmp_path, capsys, argv, fragments):
@@ -98,6 +101,9 @@ def test_cluster_too_small(ray_session, tmp_path, capsys):
     runs = tmp_path / "runs"
     res = run_cli(capsys, "ddp", "--num-workers", "5", "--global-batch-size", "60", "--storage-path", str(runs))
     assert_usage_error(res, "--num-workers 5 needs 5 CPUs but the Ray cluster has 4", "at most 4")
+    # Each loader process reserves a CPU in its worker's bundle, beside the training process's one.
+    res = run_cli(capsys, "ddp", "--num-workers", "2", "--loader-workers", "2", "--storage-path", str(runs))
+    assert_usage_error(res, "--num-workers 2 needs 6 CPUs but the Ray cluster has 4", "at most 1")
     # one worker more than the cluster has GPUs, whatever machine runs the test
     gpus = int(ray_session.cluster_resources().get("GPU", 0))
     more = str(gpus + 1)

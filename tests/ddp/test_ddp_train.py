@@ -2,6 +2,10 @@
 
 Each fit costs ~20 s of Ray Train start-up on 2 cores, so runs are module-scoped and shared:
   fp64 digits, 2 epochs of 5 steps: 1 worker | 2 workers | 2 workers --no-sync-bn | 2 workers crashing once
+  the same with --augment and loader processes: 1 worker with 2 | 2 workers with 1 each (2 loader
+  processes either way; 2 workers with 2 each would need 6 CPUs, the session's Ray has 4) |
+  1 worker with 2 crashing once
+  an encoded image folder (JPEG and PNG of different sizes): 2 workers, 1 loader process each
   one-step synthetic set (val size 25): fp32 on 1 | 2 | 3 workers, fp64 on 1
 """
 
@@ -10,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import run_cli_json
+from helpers import make_image_folder, run_cli_json
 from raytrain_mp.models import build_model
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # fp64 and fp32 DDP runs
@@ -35,12 +39,29 @@ def fp64_runs(ray_session, digits_dir, storage, tmp_path_factory):
         "two_no_sync": ["--num-workers", "2", "--no-sync-bn"],
         "two_crash": ["--num-workers", "2", "--max-failures", "1", "--inject-fault", f"1:1:{marker}"],
     }
-    results = {
+    results = fp64_fits(storage, runs)
+    results["marker"] = marker
+    return results
+
+
+def fp64_fits(storage: str, runs: dict[str, list[str]]) -> dict:
+    return {
         key: run_cli_json("ddp", "--no-use-gpu", "--storage-path", storage, "--name", f"fp64-{key}", *FP64_ARGS, *extra)
         for key, extra in runs.items()
     }
-    results["marker"] = marker
-    return results
+
+
+@pytest.fixture(scope="module")
+def loader_runs(fp64_runs, storage, tmp_path_factory):
+    """Its own fixture: each fixture's fits must finish within one test's timeout on a busy machine."""
+    marker = tmp_path_factory.mktemp("fault") / "crashed"
+    runs = {
+        "one_loaders": ["--num-workers", "1", "--augment", "--loader-workers", "2"],
+        "two_loaders": ["--num-workers", "2", "--augment", "--loader-workers", "1"],
+        "one_loaders_crash": ["--num-workers", "1", "--augment", "--loader-workers", "2", "--max-failures", "1",
+                              "--inject-fault", f"0:1:{marker}"],
+    }  # fmt: skip
+    return {**fp64_runs, **fp64_fits(storage, runs), "loader_marker": marker}
 
 
 def load_model_pt(result: dict) -> dict[str, torch.Tensor]:
@@ -58,6 +79,29 @@ def test_world_size_invariance_fp64(fp64_runs):
     assert max_abs_diff(one, two) < 1e-9
     assert fp64_runs["one"]["epochs"] == fp64_runs["two"]["epochs"] == 2
     assert fp64_runs["two"]["world_size"] == 2 and fp64_runs["two"]["global_batch_size"] == 256
+
+
+def test_loader_processes_and_augmentation_keep_both_invariances(loader_runs):
+    one, two = load_model_pt(loader_runs["one_loaders"]), load_model_pt(loader_runs["two_loaders"])
+    assert max_abs_diff(one, two) < 1e-9
+    assert max_abs_diff(one, load_model_pt(loader_runs["one"])) > 1e-3  # augmentation did change the batches
+    assert loader_runs["loader_marker"].read_text() == "rank 0 crashed after epoch 1\n"
+    assert loader_runs["one_loaders_crash"]["epochs"] == 2
+    assert max_abs_diff(one, load_model_pt(loader_runs["one_loaders_crash"])) < 1e-9
+
+
+def test_an_encoded_image_folder_trains(tmp_path, storage):
+    folder = make_image_folder(tmp_path / "images")
+    data = tmp_path / "prepared"
+    run_cli_json("data", "prepare", f"imagefolder:{folder}", "--encoded", "--image-size", "32", "--out", str(data))
+    result = run_cli_json(
+        "ddp", "--no-use-gpu", "--data", str(data), "--augment", "--num-workers", "2", "--loader-workers", "1", "--epochs", "2",
+        "--global-batch-size", "4", "--storage-path", storage, "--name", "encoded", "--log-every", "0",
+    )  # fmt: skip
+    assert result["epochs"] == 2 and result["val_count"] == 3 and result["world_size"] == 2
+    state = load_model_pt(result)
+    assert state["conv1.weight"].shape == (64, 3, 3, 3)  # small stem: 32 px
+    build_model("resnet18", 3, 3, True).load_state_dict(state, strict=True)
 
 
 def test_without_sync_bn_the_model_differs(fp64_runs):
