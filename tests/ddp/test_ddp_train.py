@@ -64,6 +64,24 @@ def loader_runs(fp64_runs, storage, tmp_path_factory):
     return {**fp64_runs, **fp64_fits(storage, runs), "loader_marker": marker}
 
 
+def fit_on_a_larger_ray(storage: str, name: str, *extra: str) -> dict:
+    """An fp64 fit on its own local Ray of 6 logical CPUs, in a subprocess: 2 workers of 2 loader
+    processes reserve 3 CPUs each, more than the session's Ray has."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ray\nfrom raytrain_mp.cli import main\n"
+        "ray.init(num_cpus=6, num_gpus=0, include_dashboard=False)\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    argv = ["ddp", "--no-use-gpu", "--storage-path", storage, "--name", name, *FP64_ARGS, *extra, "--json"]
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
+
+
 def load_model_pt(result: dict) -> dict[str, torch.Tensor]:
     return torch.load(result["model"], map_location="cpu", weights_only=True)
 
@@ -81,9 +99,11 @@ def test_world_size_invariance_fp64(fp64_runs):
     assert fp64_runs["two"]["world_size"] == 2 and fp64_runs["two"]["global_batch_size"] == 256
 
 
-def test_loader_processes_and_augmentation_keep_both_invariances(loader_runs):
+def test_loader_processes_and_augmentation_keep_both_invariances(loader_runs, storage):
     one, two = load_model_pt(loader_runs["one_loaders"]), load_model_pt(loader_runs["two_loaders"])
     assert max_abs_diff(one, two) < 1e-9
+    two_by_two = fit_on_a_larger_ray(storage, "fp64-two-by-two", "--num-workers", "2", "--augment", "--loader-workers", "2")
+    assert two_by_two["world_size"] == 2 and max_abs_diff(one, load_model_pt(two_by_two)) < 1e-9
     assert max_abs_diff(one, load_model_pt(loader_runs["one"])) > 1e-3  # augmentation did change the batches
     assert loader_runs["loader_marker"].read_text() == "rank 0 crashed after epoch 1\n"
     assert loader_runs["one_loaders_crash"]["epochs"] == 2
