@@ -49,6 +49,11 @@ def global_rank(replica: int, stage: int, num_stages: int) -> int:
     return replica * num_stages + stage
 
 
+def replica_and_stage(rank: int, num_stages: int) -> tuple[int, int]:
+    """(replica, stage) of global ``rank``: the inverse of ``global_rank``."""
+    return divmod(rank, num_stages)
+
+
 def pipeline_ranks(replica: int, num_stages: int) -> list[int]:
     """The global ranks of replica ``replica``'s stages, in stage order."""
     return [global_rank(replica, stage, num_stages) for stage in range(num_stages)]

@@ -50,6 +50,7 @@ from raytrain_mp.models import build_model, wants_small_stem
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
 from raytrain_mp.pipeline.blocks import flatten_model
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
+from raytrain_mp.pipeline.replicas import replica_and_stage
 
 CHECKPOINT_PREFIX = "checkpoint_"
 def build_run_model(cfg: PipelineConfig, meta) -> nn.Module:
@@ -154,7 +155,7 @@ def maybe_kill_stage(spec: str | None, trainer: PipelineTrainer, epoch: int) -> 
     if spec is None:
         return
     index, fault_epoch, marker = spec.split(":", 2)
-    replica, stage = divmod(int(index), trainer.num_stages)
+    replica, stage = replica_and_stage(int(index), trainer.num_stages)
     if epoch == int(fault_epoch) and not Path(marker).exists():
         of = f" of replica {replica}" if trainer.num_replicas > 1 else ""
         Path(marker).write_text(f"killed stage {stage}{of} after epoch {epoch}\n")
@@ -207,10 +208,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             print_placement(trainer)
             summary = train_epochs(cfg, trainer, (train_ds, to_input), (val_loader, to_val_input), schedule, steps_per_epoch, start_epoch, run)
             stages = [{**dataclasses.asdict(plan), "node_id": node} for plan, node in zip(trainer.plan, trainer.nodes)]
-            actors = [
-                {"replica": index // trainer.num_stages, "stage": index % trainer.num_stages, "node_id": node}
-                for index, node in enumerate(trainer.nodes)
-            ]
+            places = [replica_and_stage(index, trainer.num_stages) for index in range(len(trainer.nodes))]
+            actors = [{"replica": replica, "stage": stage, "node_id": node} for (replica, stage), node in zip(places, trainer.nodes)]
             result = {**summary, "num_nodes": len(set(trainer.nodes)), "stages": stages, "actors": actors, "run": run.uri}
             write_result(run, result)
             return result

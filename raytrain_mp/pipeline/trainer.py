@@ -56,7 +56,7 @@ from raytrain_mp.pipeline.partition import (
     plan_stages,
     split_bounds,
 )
-from raytrain_mp.pipeline.replicas import check_replicas, replica_nodes, replica_shares
+from raytrain_mp.pipeline.replicas import check_replicas, global_rank, replica_and_stage, replica_nodes, replica_shares
 from raytrain_mp.pipeline.schedule import check_schedule
 from raytrain_mp.pipeline.stage import StageConfig, StageWorker, check_optimizer, profile_on_stage_device
 
@@ -378,7 +378,7 @@ class PipelineTrainer:
                 waited = f"stage {rank} gave up waiting for it: {_summary(origin)}"
                 rank, origin = silent[0], TimeoutError(f"it stopped answering; {waited}")
             self.shutdown()
-            replica, stage = divmod(rank, self.num_stages)
+            replica, stage = replica_and_stage(rank, self.num_stages)
             replica = replica if self.num_replicas > 1 else None
             failed = StageFailedError(stage, self.num_stages, step, origin, replica)
             of = f" of replica {replica}" if replica is not None else ""
@@ -403,7 +403,7 @@ class PipelineTrainer:
         shape = (batch // (self.num_replicas * m), *inputs.shape[1:])
         start = time.perf_counter()
         refs = [
-            (replica * self.num_stages + rank, self.actor(rank, replica).train_step.remote(
+            (global_rank(replica, rank, self.num_stages), self.actor(rank, replica).train_step.remote(
                 self.schedule, m, shape, x if rank == 0 else None, y if rank == last else None, self.clip_grad_norm,
             ))
             for replica, (x, y) in enumerate(replica_shares(inputs, targets, self.num_replicas))
@@ -469,7 +469,7 @@ class PipelineTrainer:
     def _replica_calls(self, replica: int, method: str, args_of_rank: Sequence[tuple] | None = None) -> list[Any]:
         """``method`` on each stage of ``replica`` (with ``args_of_rank[rank]``); the results in stage order."""
         refs = [
-            (replica * self.num_stages + rank,
+            (global_rank(replica, rank, self.num_stages),
              getattr(self.actor(rank, replica), method).remote(*(args_of_rank[rank] if args_of_rank else ())))
             for rank in range(self.num_stages)
         ]  # fmt: skip
@@ -513,7 +513,7 @@ class PipelineTrainer:
         """The Ray actor handle of ``stage`` of ``replica`` (for inspection and fault injection)."""
         if not self._actors:
             raise RuntimeError(f"PipelineTrainer: used after {self._stopped}; build a new PipelineTrainer")
-        return self._actors[replica * self.num_stages + stage]
+        return self._actors[global_rank(replica, stage, self.num_stages)]
 
     def shutdown(self) -> None:
         """Stop the stage actors and free their placement groups (safe to call twice)."""

@@ -22,7 +22,9 @@ from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError, convert_deferred_batchnorm, split_batch
 from raytrain_mp.pipeline.replicas import (
     check_replicas,
+    global_rank,
     pipeline_ranks,
+    replica_and_stage,
     replica_nodes,
     replica_shares,
     running_stats_weights,
@@ -58,6 +60,8 @@ def test_replica_microbatches_are_the_batch_microbatches_in_order() -> None:
 def test_rank_layout_is_replica_major() -> None:
     assert [pipeline_ranks(r, 3) for r in range(2)] == [[0, 1, 2], [3, 4, 5]]
     assert [stage_ranks(s, 2, 3) for s in range(3)] == [[0, 3], [1, 4], [2, 5]]
+    assert [replica_and_stage(rank, 3) for rank in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert all(global_rank(*replica_and_stage(rank, 3), 3) == rank for rank in range(6))
 
 
 def test_replica_nodes_spread_where_they_can() -> None:
