@@ -52,15 +52,15 @@ FIELD_GROUPS = {
     **dict.fromkeys(("epochs", "base_lr", "base_batch", "lr_rule", "warmup_epochs", "lr_decay", "step_epochs",
                      "gamma", "optimizer", "momentum", "weight_decay", "global_batch_size", "batch_size_per_worker",
                      "grad_accum_steps", "clip_grad_norm", "lr", "seed"), "optimization"),
-    **dict.fromkeys(("address", "num_workers", "use_gpu", "cpus_per_worker", "placement", "stages", "replicas", "split_points",
+    **dict.fromkeys(("address", "num_workers", "resize_interval", "use_gpu", "cpus_per_worker", "placement", "stages", "replicas", "split_points",
                      "balance", "schedule", "virtual_stages", "microbatches", "cpus_per_stage", "bucket_cap_mb", "threads",
                      "balanced", "interleaved", "balance_microbatches"), "distribution"),
-    **dict.fromkeys(("storage_path", "name", "checkpoint_every", "num_to_keep", "max_failures", "resume_from",
+    **dict.fromkeys(("storage_path", "name", "checkpoint_every", "checkpoint_every_steps", "num_to_keep", "max_failures", "resume_from",
                      "resume"), "checkpoints"),
     **dict.fromkeys(("base_lrs", "lr_min", "lr_max", "global_batch_sizes", "optimizers", "warmup_epochs_grid",
                      "scheduler", "metric", "grace_period", "reduction_factor", "max_concurrent_trials"), "sweep"),
     **dict.fromkeys(("steps", "warmup", "repeats", "hybrid", "hybrid_workers", "hybrid_microbatches"), "benchmark"),
-    **dict.fromkeys(("out", "log_every", "verbose", "inject_fault"), "output"),
+    **dict.fromkeys(("out", "log_every", "verbose", "inject_fault", "hold_at_step"), "output"),
 }  # fmt: skip
 
 
@@ -113,11 +113,12 @@ def flag_name(field_name: str) -> str:
 
 
 def _base_type(tp: Any) -> tuple[type, bool]:
-    """(scalar type, optional?) of a field annotation like ``int | None``."""
+    """(scalar type, optional?) of a field annotation like ``int | None``; of ``int | str`` (a
+    count or a range) the first, tried first by ``_coerce``."""
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
-        return inner[0], True
+        return inner[0], type(None) in args
     return tp, False
 
 
@@ -148,7 +149,13 @@ def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
         if not isinstance(value, list):
             raise UsageError(f"{flag}: expected a list, got {value!r} ({source})")
         return value
+    if base is int and str in typing.get_args(_field_types(cls)[name]) and not _is_int(value):
+        return str(value)  # e.g. --num-workers 2-8; the field's own validate() reads it
     return _convert(base, value, flag, source)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, str) and value.strip().isdigit()
 
 
 def _convert(base: type, value: Any, flag: str, source: str) -> Any:
@@ -324,6 +331,7 @@ class TrainOptions:
     verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
     inject_fault: str | None = option(None, "testing: INDEX:EPOCH:MARKER fails worker/stage INDEX once after EPOCH", hidden=True)
     json: bool = False
+    FAULTS_AT_STEPS = False  # --inject-fault takes only epochs; a command whose loop can fail after a step says so
 
     def validate(self) -> None:
         for name in ("model", "lr_rule", "lr_decay", "optimizer", "precision"):
@@ -353,4 +361,6 @@ class TrainOptions:
             )
         if self.inject_fault is not None:
             parts = self.inject_fault.split(":", 2)
-            check(len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit(), "inject_fault", "accepted: INDEX:EPOCH:MARKER")
+            at_step = self.FAULTS_AT_STEPS and len(parts) == 3 and parts[1][:1] == "s" and parts[1][1:].isdigit()
+            accepted = "INDEX:EPOCH:MARKER" + (" or INDEX:sSTEP:MARKER" if self.FAULTS_AT_STEPS else "")
+            check(len(parts) == 3 and parts[0].isdigit() and (parts[1].isdigit() or at_step), "inject_fault", f"accepted: {accepted}")

@@ -69,6 +69,22 @@ def run_cli_json(*argv: str) -> dict:
     raise AssertionError(f"no JSON line in output: {buffer.getvalue()[-2000:]}")
 
 
+def run_cli_text(*argv: str) -> tuple[int, str]:
+    """``(exit code, stdout and stderr)`` of a command run in-process, failed or not (a run that
+    raises is exit code 1, as the command line reports it)."""
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+        try:
+            code = main(list(argv))
+        except Exception as exc:  # a failed run: the command line prints the traceback and exits 1
+            print(f"{type(exc).__name__}: {exc}")
+            code = 1
+    return code, buffer.getvalue()
+
+
 def make_image_folder(root: Path, seed: int = 0) -> Path:
     """3 classes of 5 images each, JPEG and PNG of different sizes, smooth enough for JPEG."""
     from PIL import Image

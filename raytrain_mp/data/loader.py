@@ -14,28 +14,31 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 
 class EpochKeys(Sampler[tuple[int, int]]):
-    """``(epoch, index)`` for every index of ``sampler``; ``set_epoch`` sets both."""
+    """``(epoch, index)`` for every index of ``sampler`` but the first ``skip``; ``set_epoch`` sets
+    both (a resumed epoch skips what the checkpointed steps already read)."""
 
     def __init__(self, sampler: Sampler[int]) -> None:
         self.sampler = sampler
         self.epoch = 0
+        self.skip = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        return ((self.epoch, int(i)) for i in self.sampler)
+        return ((self.epoch, int(i)) for i in itertools.islice(self.sampler, self.skip, None))
 
     def __len__(self) -> int:
-        return len(self.sampler)  # type: ignore[arg-type]
+        return max(0, len(self.sampler) - self.skip)  # type: ignore[arg-type]
 
 
 def make_loader(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from raytrain_mp.config import TrainOptions, check, check_choice, option
+from raytrain_mp.ddp.elastic import check_world_sizes, parse_worker_range
 
 
 DDP_PLACEMENTS = ("PACK", "SPREAD")
@@ -15,7 +16,17 @@ DDP_PLACEMENTS = ("PACK", "SPREAD")
 
 @dataclasses.dataclass
 class DDPConfig(TrainOptions):
-    num_workers: int = option(2, "Ray Train workers (DDP ranks)")
+    FAULTS_AT_STEPS = True  # --inject-fault also takes sSTEP: after a global step
+
+    num_workers: int | str = option(
+        2, "Ray Train workers (DDP ranks): a count, or MIN-MAX to train elastically (start with what the cluster has, "
+        "shrink when a node is lost, grow when capacity returns; the model stays the one a fixed-size run trains)"
+    )  # fmt: skip
+    resize_interval: float = option(60.0, "elastic: seconds between Ray Train's checks for capacity to grow into")
+    checkpoint_every_steps: int | None = option(
+        None, "also checkpoint every this many optimizer steps, with the position in the epoch's sample order "
+        "(a restart or resize then loses at most this many steps)"
+    )  # fmt: skip
     use_gpu: bool | None = option(None, "one GPU per worker (default: when the cluster has one for each worker)")
     cpus_per_worker: int = option(1, "CPUs per worker, shared by its training process (torch threads) and its loader processes")
     loader_workers: int | None = option(None, "loader processes per worker that read and decode batches (default: --cpus-per-worker - 1; 0: read in the training process)")
@@ -23,30 +34,52 @@ class DDPConfig(TrainOptions):
     global_batch_size: int = option(64, "samples per optimizer step over all workers")
     grad_accum_steps: int = option(1, "micro-steps accumulated per optimizer step (DDP no_sync)")
     sync_bn: bool = option(True, "synchronize BatchNorm statistics across workers")
+    hold_at_step: str | None = option(None, "testing: STEP:MARKER holds every rank before global step STEP until MARKER exists", hidden=True)
     placement: str = option("PACK", "worker placement: PACK fills a node first, SPREAD puts one per node where it can", DDP_PLACEMENTS)
 
     def validate(self) -> None:
         super().validate()
         check_choice(self, "placement")
-        check(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
+        low, high = parse_worker_range(self.num_workers)
+        check(self.resize_interval > 0, "resize_interval", f"must be > 0 seconds, got {self.resize_interval}")
+        check(
+            self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1,
+            "checkpoint_every_steps",
+            f"must be >= 1, got {self.checkpoint_every_steps}",
+        )
+        check(
+            not self.elastic or self.max_failures != 0,
+            "max_failures",
+            f"an elastic run (--num-workers {self.num_workers}) restarts its worker group whenever a node is lost; "
+            "accepted: a number of restarts >= 1, or -1 (unlimited)",
+        )
+        if self.hold_at_step is not None:
+            at, _, marker = self.hold_at_step.partition(":")
+            check(at.isdigit() and bool(marker), "hold_at_step", "accepted: STEP:MARKER")
         check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
         check(self.loader_workers is None or self.loader_workers >= 0, "loader_workers", f"must be >= 0, got {self.loader_workers}")
         check(self.loader_prefetch >= 1, "loader_prefetch", f"must be >= 1, got {self.loader_prefetch}")
         check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")
         check(self.grad_accum_steps >= 1, "grad_accum_steps", f"must be >= 1, got {self.grad_accum_steps}")
-        step_batch = self.num_workers * self.grad_accum_steps
-        check(
-            self.global_batch_size % step_batch == 0,
-            "global_batch_size",
-            f"{self.global_batch_size} is not divisible by --num-workers {self.num_workers}"
-            + (f" x --grad-accum-steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else "")
-            + f"; accepted: a multiple of {step_batch}",
-        )
+        check_world_sizes(self.global_batch_size, self.grad_accum_steps, low, high)
         check(
             not (self.precision == "fp16" and self.use_gpu is False),
             "precision",
             "fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32",
         )
+
+    @property
+    def min_workers(self) -> int:
+        return parse_worker_range(self.num_workers)[0]
+
+    @property
+    def max_workers(self) -> int:
+        return parse_worker_range(self.num_workers)[1]
+
+    @property
+    def elastic(self) -> bool:
+        """A range of world sizes (``--num-workers MIN-MAX`` with MIN < MAX) rather than one."""
+        return self.min_workers < self.max_workers
 
     @property
     def loaders(self) -> int:

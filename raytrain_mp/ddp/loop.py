@@ -14,7 +14,11 @@ report). Invariants that make the trained model independent of the number of wor
 - Batches arrive as uint8 from ``--loader-workers`` loader processes and become the model's input
   on the device, in its dtype (``ParquetImageDataset.transform``); the augmentation they carry is
   keyed by (seed, epoch, index), so neither the process count nor a resume changes a batch.
-- Every rank calls ``ray.train.report`` once per epoch; only rank 0 attaches a checkpoint.
+- Every rank calls ``ray.train.report`` once per epoch, and after every ``--checkpoint-every-steps``
+  steps within one; only rank 0 attaches a checkpoint. A checkpoint holds the position in the
+  epoch's sample order, so a group of any size restarted from it (a crash, an elastic resize)
+  continues with the next global step on the same samples (``elastic.items_to_skip``), and the
+  learning rate follows the global step: the result does not depend on how the group changed.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from raytrain_mp.config import to_yaml
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.data.loader import EpochKeys, make_loader
+from raytrain_mp.ddp.elastic import items_to_skip, resume_position
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate
 from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.storage import join, locate, name_of
@@ -53,14 +58,26 @@ def autocast_for(precision: str, device: torch.device):
     return nullcontext
 
 
-def maybe_inject_fault(spec: str | None, rank: int, epoch: int) -> None:
-    """Testing hook: ``RANK:EPOCH:MARKER`` crashes RANK once after EPOCH (the marker file says it did)."""
+def maybe_inject_fault(spec: str | None, rank: int, at: str) -> None:
+    """Testing hook: ``RANK:WHEN:MARKER`` crashes RANK once at WHEN, ``N`` after epoch N or ``sS``
+    after global step S (the marker file says it did)."""
     if spec is None:
         return
-    fault_rank, fault_epoch, marker = spec.split(":", 2)
-    if rank == int(fault_rank) and epoch == int(fault_epoch) and not Path(marker).exists():
-        Path(marker).write_text(f"rank {rank} crashed after epoch {epoch}\n")
-        raise RuntimeError(f"injected fault: rank {rank} after epoch {epoch}")
+    fault_rank, when, marker = spec.split(":", 2)
+    if rank == int(fault_rank) and when == at and not Path(marker).exists():
+        what = f"epoch {at}" if at.isdigit() else f"step {at[1:]}"
+        Path(marker).write_text(f"rank {rank} crashed after {what}\n")
+        raise RuntimeError(f"injected fault: rank {rank} after {what}")
+
+
+def maybe_hold(spec: str | None, global_step: int) -> None:
+    """Testing hook: ``STEP:MARKER`` holds every rank before global step STEP until MARKER exists,
+    so that a test changes the cluster while the run is at a step it knows."""
+    if spec is None:
+        return
+    at, marker = spec.split(":", 1)
+    while global_step == int(at) and not Path(marker).exists():
+        time.sleep(0.2)
 
 
 def count_nodes(world: int) -> int:
@@ -78,8 +95,6 @@ def train_loop_per_worker(config: dict) -> None:
     torch.set_num_threads(cfg.torch_threads)  # Ray sets OMP_NUM_THREADS; torch's pool is ours to size
     device = ray.train.torch.get_device()
     num_nodes = count_nodes(world)
-    if rank == 0:
-        print(f"{world} worker{'s' * (world > 1)} on {num_nodes} node{'s' * (num_nodes > 1)}", flush=True)
     dtype = torch.float64 if cfg.precision == "fp64" else torch.float32
     autocast = autocast_for(cfg.precision, device)
 
@@ -117,13 +132,13 @@ def train_loop_per_worker(config: dict) -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
 
     # Restore: Ray's checkpoint (a restarted worker group, or a rerun of the same name) wins over --resume-from.
-    start_epoch = 0
-    checkpoint = ray.train.get_checkpoint()
+    start_epoch, skip, history, carried = 0, 0, [], (0.0, 0.0)
+    restored = ray.train.get_checkpoint()
     resume_dir = None
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
+    if restored is not None:
+        with restored.as_directory() as d:
             model_state, train_state = read_checkpoint(d)
-        resume_dir = join(cfg.storage_path, cfg.name, name_of(checkpoint.path))  # Ray's path lacks a URI's scheme
+        resume_dir = join(cfg.storage_path, cfg.name, name_of(restored.path))  # Ray's path lacks a URI's scheme
     elif cfg.resume_from:
         model_state, train_state = load_checkpoint(locate(cfg.resume_from, "--resume-from"))
         resume_dir = cfg.resume_from
@@ -133,17 +148,45 @@ def train_loop_per_worker(config: dict) -> None:
         scheduler.load_state_dict(train_state["scheduler"])
         scaler.load_state_dict(train_state["scaler"])
         set_rng_states(train_state["rng"])
-        start_epoch = train_state["epoch"] + 1
+        start_epoch, skip = resume_position(train_state["epoch"], train_state.get("step", 0), steps_per_epoch)
+        history = train_state.get("world_size_history", [])
+        carried = train_state.get("epoch_loss", carried) if skip else carried
         if rank == 0:
-            print(f"resumed from {resume_dir} at epoch {start_epoch + 1}", flush=True)
+            print(f"resumed from {resume_dir} at epoch {start_epoch + 1}" + (f" step {skip + 1}" if skip else ""), flush=True)
+    start_step = start_epoch * steps_per_epoch + skip
+    history = [*history, [start_step, world]]
+    if rank == 0:
+        print(f"{world} worker{'s' * (world > 1)} on {num_nodes} node{'s' * (num_nodes > 1)} from step {start_step}", flush=True)
 
+    def make_checkpoint(last_epoch: int, steps_done: int, epoch_loss: tuple[float, float]) -> ray.train.Checkpoint | None:
+        """Rank 0's checkpoint after ``steps_done`` steps of the epoch after ``last_epoch``; None elsewhere."""
+        if rank != 0:
+            return None
+        train_state = {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            "epoch": last_epoch,
+            "step": steps_done,
+            "epoch_loss": epoch_loss,  # the global (loss sum, samples) of the epoch's steps so far
+            "world_size_history": history,
+            "rng": rng_states(),
+        }
+        return ray.train.Checkpoint.from_directory(write_checkpoint(plain_state_dict(ddp), train_state, to_yaml(cfg)))
+
+    every_steps = cfg.checkpoint_every_steps or 0
     for epoch in range(start_epoch, cfg.epochs):
-        sampler.set_epoch(epoch)
+        first = skip if epoch == start_epoch else 0
+        sampler.set_epoch(epoch, skip=items_to_skip(first, cfg.global_batch_size, world))
         ddp.train()
         started = time.perf_counter()
         batches = iter(train_loader)
-        loss_sum = samples = 0.0
-        for step in range(steps_per_epoch):
+        # Rank 0 carries the resumed part of the epoch's loss: the epoch's all-reduced sums count it once.
+        loss_sum, samples = carried if (first and rank == 0) else (0.0, 0.0)
+        trained = 0
+        for step in range(first, steps_per_epoch):
+            global_step = epoch * steps_per_epoch + step
+            maybe_hold(cfg.hold_at_step, global_step)
             micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
             (step_count,) = all_reduce_sum([float(sum(len(y) for _, y, _ in micro))], device)
             for i, (images, y, params) in enumerate(micro):
@@ -155,6 +198,7 @@ def train_loop_per_worker(config: dict) -> None:
                 scaler.scale(loss * (world / step_count)).backward()
                 loss_sum += loss.item()
                 samples += len(y)
+                trained += len(y)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -162,14 +206,23 @@ def train_loop_per_worker(config: dict) -> None:
             scheduler.step()
             if rank == 0 and cfg.log_every and (step + 1) % cfg.log_every == 0:
                 print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} loss {loss_sum / samples:.4f}", flush=True)
+            if every_steps and (global_step + 1) % every_steps == 0 and step + 1 < steps_per_epoch:
+                epoch_loss = all_reduce_sum([loss_sum, samples], device)
+                ray.train.report(
+                    {"global_step": global_step + 1, "world_size": world},
+                    checkpoint=make_checkpoint(epoch - 1, step + 1, epoch_loss),
+                    checkpoint_dir_name=f"checkpoint_{epoch + 1:06d}_step_{step + 1:06d}",
+                    delete_local_checkpoint_after_upload=True,
+                )
+            maybe_inject_fault(cfg.inject_fault, rank, f"s{global_step + 1}")
         elapsed = time.perf_counter() - started
-        train_loss_sum, train_samples = all_reduce_sum([loss_sum, samples], device)
+        train_loss_sum, train_samples, trained_here = all_reduce_sum([loss_sum, samples, float(trained)], device)
 
         metrics = {
             "epoch": epoch + 1,
             "train_loss": train_loss_sum / train_samples,
             **evaluate(ddp, val_loader, partial(val_ds.transform, device=device, dtype=dtype), device, autocast),
-            "samples_per_second": train_samples / elapsed,
+            "samples_per_second": trained_here / elapsed,
             "lr": step_lr,
             "world_size": world,
             "num_nodes": num_nodes,
@@ -177,18 +230,9 @@ def train_loop_per_worker(config: dict) -> None:
         }
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"non-finite metrics at epoch {epoch + 1}: {metrics}; lower --base-lr")
-        last = epoch + 1 == cfg.epochs
-        checkpoint = None
-        if rank == 0 and ((epoch + 1) % cfg.checkpoint_every == 0 or last):
-            train_state = {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict(),
-                "epoch": epoch,
-                "rng": rng_states(),
-            }
-            folder = write_checkpoint(plain_state_dict(ddp), train_state, to_yaml(cfg))
-            checkpoint = ray.train.Checkpoint.from_directory(folder)
+        done = (epoch + 1) * steps_per_epoch
+        metrics |= {"global_step": done, "world_size_history": history}
+        due = (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs or (every_steps and done % every_steps == 0)
         if rank == 0:
             print(
                 f"epoch {epoch + 1}/{cfg.epochs} train_loss {metrics['train_loss']:.4f} "
@@ -198,10 +242,10 @@ def train_loop_per_worker(config: dict) -> None:
             )
         ray.train.report(
             metrics,
-            checkpoint=checkpoint,
+            checkpoint=make_checkpoint(epoch, 0, (0.0, 0.0)) if due else None,
             checkpoint_dir_name=f"checkpoint_{epoch + 1:06d}",  # as the pipeline names them
             delete_local_checkpoint_after_upload=True,
         )
-        maybe_inject_fault(cfg.inject_fault, rank, epoch + 1)
+        maybe_inject_fault(cfg.inject_fault, rank, str(epoch + 1))
     if dist.is_initialized():
         dist.barrier()

@@ -2,7 +2,9 @@
 
 Knows Ray Train's configuration objects and nothing of the model's internals. Invariants: the data
 set is resolved and validated, and the resource request checked against the cluster, before the
-trainer is built; NCCL is the backend exactly when workers hold GPUs, gloo otherwise.
+trainer is built; NCCL is the backend exactly when workers hold GPUs, gloo otherwise. An elastic
+``--num-workers MIN-MAX`` becomes Ray Train's elastic ``ScalingConfig``: the cluster must fit MIN
+workers now, and the GPU choice counts MIN ranks.
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ def with_checked_data(cfg: DDPConfig) -> DDPConfig:
 
 def with_cluster_settings(cfg: DDPConfig) -> DDPConfig:
     """``cfg`` with GPU use decided and the request checked against the connected cluster."""
-    use_gpu = resolve_use_gpu(cfg.use_gpu, cfg.num_workers, "workers")
+    use_gpu = resolve_use_gpu(cfg.use_gpu, cfg.min_workers, "workers")
     if cfg.precision == "fp16" and not use_gpu:
         raise UsageError("--precision: fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32")
-    check_fits("--num-workers", cfg.num_workers, cfg.bundle_cpus, 1 if use_gpu else 0)
+    check_fits("--num-workers", cfg.min_workers, cfg.bundle_cpus, 1 if use_gpu else 0)
     name = cfg.name or time.strftime("ddp-%Y%m%d-%H%M%S")
     return dataclasses.replace(cfg, use_gpu=use_gpu, name=name, storage_path=absolute_path(cfg.storage_path))
 
@@ -53,7 +55,11 @@ def build_trainer(cfg: DDPConfig, callbacks: Sequence[UserCallback] = ()) -> Tor
         train_loop_config=dataclasses.asdict(cfg),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=resources, placement_strategy=cfg.placement
+            num_workers=(cfg.min_workers, cfg.max_workers) if cfg.elastic else cfg.min_workers,
+            elastic_resize_monitor_interval_s=cfg.resize_interval,
+            use_gpu=cfg.use_gpu,
+            resources_per_worker=resources,
+            placement_strategy=cfg.placement,
         ),
         run_config=RunConfig(
             name=cfg.name,
@@ -79,6 +85,7 @@ def summarize(result, cfg: DDPConfig) -> dict:
         "train_loss": metrics.get("train_loss"),
         "epochs": metrics.get("epoch"),
         "world_size": metrics.get("world_size"),
+        "world_size_history": metrics.get("world_size_history"),
         "num_nodes": metrics.get("num_nodes"),
         "global_batch_size": cfg.global_batch_size,
         "lr": metrics.get("lr"),

@@ -25,14 +25,16 @@ from typing import Any
 
 from raytrain_mp.config import absolute_path, build_config, check, check_choice, flag_name, option
 from raytrain_mp.ddp.config import DDPConfig
+from raytrain_mp.ddp.elastic import parse_worker_range
 from raytrain_mp.optim import OPTIMIZERS
 from raytrain_mp.errors import UsageError
 
 # Per-trial DDP options: their values come from the search space (keys of a trial's params).
 PER_TRIAL = ("base_lr", "global_batch_size", "optimizer", "warmup_epochs")
-# DDP options a sweep does not pass on: it names the experiment itself and each trial's run, and
-# resuming every trial from one checkpoint is not a sweep.
-NOT_PASSED_ON = ("name", "resume_from", "json")
+# DDP options a sweep does not pass on: it names the experiment itself and each trial's run,
+# resuming every trial from one checkpoint is not a sweep, and a trial reports to Tune once an
+# epoch at a fixed size (ASHA compares epochs), so neither step checkpoints nor resizes apply.
+NOT_PASSED_ON = ("name", "resume_from", "json", "checkpoint_every_steps", "resize_interval")
 
 DEFAULT_BASE_LRS = (0.1, 0.2, 0.4, 0.8)
 DEFAULT_NUM_SAMPLES = 8
@@ -112,7 +114,9 @@ class SweepOptions:
             check_choice(self, name)
         self._validate_lrs()
         check(bool(self.global_batch_sizes), "global_batch_sizes", "the grid is empty; accepted: a comma list of batch sizes")
-        step_batch = self.num_workers * self.grad_accum_steps
+        low, high = parse_worker_range(self.num_workers)
+        check(low == high, "num_workers", f"a sweep's trials run at one size; accepted: a worker count, got {self.num_workers}")
+        step_batch = low * self.grad_accum_steps
         for batch in self.global_batch_sizes:
             check(batch >= 1, "global_batch_sizes", f"must be >= 1, got {batch}")
             check(
@@ -226,7 +230,7 @@ def trials_that_fit(cluster_cpus: float, cluster_gpus: float, num_workers: int, 
 
 def concurrency(cfg: Any, cluster_cpus: float, cluster_gpus: float, use_gpu: bool) -> int:
     """``--max-concurrent-trials``, or what fits; more than fits is a UsageError (it would deadlock)."""
-    fit = trials_that_fit(cluster_cpus, cluster_gpus, cfg.num_workers, cfg.cpus_per_worker, use_gpu)
+    fit = trials_that_fit(cluster_cpus, cluster_gpus, int(cfg.num_workers), cfg.cpus_per_worker, use_gpu)
     if cfg.max_concurrent_trials is None:
         return fit
     check(

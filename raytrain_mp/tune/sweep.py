@@ -141,7 +141,7 @@ def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> N
 def run_sweep(cfg: Any) -> dict[str, Any]:
     """Run (or, with ``cfg.resume``, finish) the sweep on the connected cluster; write its outputs
     and return the summary. ``cfg`` must come from ``prepared``."""
-    use_gpu = resolve_use_gpu(cfg.use_gpu, cfg.num_workers, "workers")
+    use_gpu = resolve_use_gpu(cfg.use_gpu, int(cfg.num_workers), "workers")
     max_concurrent = concurrency(cfg, *cluster_totals(), use_gpu)
     # The trials' template holds this machine's state (use_gpu, the data's cache folder); the
     # outputs' best.yaml is built from cfg.template(), the options as the user gave them.

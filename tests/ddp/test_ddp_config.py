@@ -30,6 +30,18 @@ from helpers import assert_usage_error, run_cli
         (["--loader-workers", "-1"], ["--loader-workers: must be >= 0, got -1"]),
         (["--loader-workers", "two"], ["--loader-workers: expected int, got 'two'"]),
         (["--loader-prefetch", "0"], ["--loader-prefetch: must be >= 1, got 0"]),
+        # elastic ranges: every size must split the batch, MIN <= MAX, MIN >= 1, and restarts allowed
+        (["--num-workers", "2-4", "--global-batch-size", "64", "--max-failures", "1"],
+         ["--num-workers: 3 workers (in 2-4) cannot split --global-batch-size 64 = 64 samples", "these do: 2, 4"]),
+        (["--num-workers", "1-5", "--global-batch-size", "48", "--grad-accum-steps", "2", "--max-failures", "1"],
+         ["--num-workers: 5 workers (in 1-5)", "48 / --grad-accum-steps 2 = 24", "must divide 24", "these do: 1, 2, 3, 4)"]),
+        (["--num-workers", "4-2", "--max-failures", "1"], ["--num-workers: MIN 4 is larger than MAX 2 in 4-2", "1 <= MIN <= MAX"]),
+        (["--num-workers", "0-2", "--max-failures", "1"], ["--num-workers: must be >= 1, got 0-2"]),
+        (["--num-workers", "two"], ["--num-workers: expected a worker count or a range MIN-MAX (e.g. 2 or 2-8), got 'two'"]),
+        (["--num-workers", "1-2"], ["--max-failures: an elastic run (--num-workers 1-2) restarts its worker group", ">= 1, or -1"]),
+        (["--num-workers", "1-2", "--max-failures", "0"], ["--max-failures: an elastic run"]),
+        (["--checkpoint-every-steps", "0"], ["--checkpoint-every-steps: must be >= 1, got 0"]),
+        (["--resize-interval", "0"], ["--resize-interval: must be > 0 seconds, got 0.0"]),
     ],
 )
 def test_bad_options(tmp_path, capsys, argv, fragments):
@@ -80,12 +92,14 @@ def test_saved_config_leaves_out_hidden_options(tmp_path):
     from raytrain_mp.config import build_config, to_yaml
     from raytrain_mp.ddp.config import DDPConfig
 
-    cfg = DDPConfig(storage_path=str(tmp_path), epochs=3, inject_fault=f"0:1:{tmp_path / 'marker'}", json=True)
+    hooks = {"inject_fault": f"0:s3:{tmp_path / 'marker'}", "hold_at_step": f"2:{tmp_path / 'go'}"}
+    cfg = DDPConfig(storage_path=str(tmp_path), epochs=3, **hooks, json=True)
+    cfg.validate()
     saved = yaml.safe_load(to_yaml(cfg))
-    assert saved == {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", "inject_fault")}
+    assert saved == {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", *hooks)}
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(cfg))
-    assert build_config(DDPConfig, {"config": str(path)}) == dataclasses.replace(cfg, inject_fault=None, json=False)
+    assert build_config(DDPConfig, {"config": str(path)}) == dataclasses.replace(cfg, inject_fault=None, hold_at_step=None, json=False)
 
 
 def test_help_lists_defaults():

@@ -6,10 +6,14 @@ Each fit costs ~20 s of Ray Train start-up on 2 cores, so runs are module-scoped
   processes either way; 2 workers with 2 each would need 6 CPUs, the session's Ray has 4) |
   1 worker with 2 crashing once
   an encoded image folder (JPEG and PNG of different sizes): 2 workers, 1 loader process each
+  step checkpoints every 2 steps: 2 workers crashing after step 8 (mid-epoch 2) and restarting |
+  2 workers crashing there with no restart left, rerun with 1 worker
   one-step synthetic set (val size 25): fp32 on 1 | 2 | 3 workers, fp64 on 1
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -133,6 +137,47 @@ def test_resume_after_crash_equals_uninterrupted_run(fp64_runs):
     assert fp64_runs["marker"].read_text() == "rank 1 crashed after epoch 1\n"
     assert fp64_runs["two_crash"]["epochs"] == 2
     assert max_abs_diff(load_model_pt(fp64_runs["two"]), load_model_pt(fp64_runs["two_crash"])) < 1e-9
+
+
+@pytest.fixture(scope="module")
+def step_runs(fp64_runs, storage, tmp_path_factory):
+    """Crashes after global step 8 of 10 (step 3 of epoch 2), checkpointed every 2 steps."""
+    from helpers import run_cli_text
+
+    marker, marker_fail = (tmp_path_factory.mktemp("fault") / "crashed" for _ in range(2))
+    every = ["--checkpoint-every-steps", "2"]
+    runs = fp64_fits(storage, {"step_crash": ["--num-workers", "2", *every, "--max-failures", "1", "--inject-fault", f"1:s8:{marker}"]})
+    failed = run_cli_text("ddp", "--no-use-gpu", "--storage-path", storage, "--name", "fp64-step-crash-w1", *FP64_ARGS,
+                          "--num-workers", "2", *every, "--inject-fault", f"0:s8:{marker_fail}")  # fmt: skip
+    resumed = run_cli_text("ddp", "--no-use-gpu", "--storage-path", storage, "--name", "fp64-step-crash-w1", *FP64_ARGS,
+                           "--num-workers", "1", *every, "--json")  # fmt: skip
+    return {**fp64_runs, **runs, "marker": marker, "marker_fail": marker_fail, "failed": failed, "resumed": resumed}
+
+
+def test_a_crash_mid_epoch_resumes_at_the_next_step_and_equals_the_uninterrupted_run(step_runs):
+    assert step_runs["marker"].read_text() == "rank 1 crashed after step 8\n"
+    crashed, two = step_runs["step_crash"], step_runs["two"]
+    assert crashed["world_size_history"] == [[0, 2], [8, 2]] and crashed["epochs"] == 2
+    assert max_abs_diff(load_model_pt(two), load_model_pt(crashed)) < 1e-9
+    # the epoch's loss counts the 3 steps before the crash once, and not the step after the checkpoint twice
+    assert crashed["train_loss"] == pytest.approx(two["train_loss"], rel=1e-9)
+
+
+def test_a_crash_mid_epoch_resumes_with_another_world_size(step_runs, storage):
+    from pathlib import Path
+
+    code, out = step_runs["failed"]
+    assert code == 1 and "injected fault: rank 0 after step 8" in out
+    code, out = step_runs["resumed"]
+    assert code == 0, out[-3000:]
+    assert "resumed from" in out and "checkpoint_000002_step_000003 at epoch 2 step 4" in out
+    assert "1 worker on 1 node from step 8" in out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["world_size_history"] == [[0, 2], [8, 1]] and result["world_size"] == 1
+    assert max_abs_diff(load_model_pt(step_runs["two"]), load_model_pt(result)) < 1e-9
+    assert result["train_loss"] == pytest.approx(step_runs["two"]["train_loss"], rel=1e-9)
+    names = sorted(p.name for p in Path(result["run"]).glob("checkpoint_*") if p.is_dir())
+    assert names == ["checkpoint_000002", "checkpoint_000002_step_000003"]  # --num-to-keep 2, step checkpoints named by epoch and step
 
 
 def test_model_pt_loads_strict_into_plain_model(fp64_runs):
