@@ -21,7 +21,6 @@ import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import ray
 
@@ -47,7 +46,7 @@ def ray_connection(address: str | None, verbose: bool = False) -> Iterator[bool]
     logs = dict(log_to_driver=True, logging_level=level, logging_config=ray.LoggingConfig(encoding="TEXT", log_level=level))
     if address:
         joined = reachable(address)
-        use_token_if_there_is_one()
+        use_token_if_the_cluster_asks(joined)
         try:
             ray.init(address=joined, **logs)
         except ConnectionError as exc:  # a token-authenticated cluster refusing this client, most often
@@ -109,14 +108,21 @@ def reachable(address: str, option: str = "--address") -> str:
     return resolved
 
 
-def use_token_if_there_is_one() -> None:
-    """Send this machine's Ray token when joining, as ``RAY_AUTH_MODE=token`` would: a cluster
-    started with token authentication refuses a client without it (after 20 s of retries), and
-    one started without it accepts a client that sends one. ``RAY_AUTH_MODE`` set by the user wins."""
-    if os.environ.get("RAY_AUTH_MODE"):
+def use_token_if_the_cluster_asks(address: str) -> None:
+    """Send this machine's Ray token when joining exactly when the cluster runs with token
+    authentication, as ``RAY_AUTH_MODE=token`` would. Its GCS answers a client without a token at
+    once, with ``AuthenticationError`` when it wants one. Sending a token to a cluster started
+    without one is no answer either: the driver's own server then refuses the cluster's calls
+    ("Missing authorization header") and every actor is cancelled before it runs. ``RAY_AUTH_MODE``
+    set by the user wins."""
+    if os.environ.get("RAY_AUTH_MODE") or "://" in address:
         return
-    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    if os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file():
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+
+    try:
+        GcsClient(address=address)
+    except AuthenticationError:
         from ray._private.authentication.authentication_token_setup import _enable_token_auth
 
         _enable_token_auth()  # Ray's own switch: the variable plus its cached config

@@ -44,7 +44,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch import Tensor, nn
 
-from raytrain_mp.cluster import reachable, resolve_use_gpu
+from raytrain_mp.cluster import reachable, resolve_use_gpu, use_token_if_the_cluster_asks
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
 from raytrain_mp.pipeline.microbatch import check_microbatches
@@ -260,7 +260,10 @@ class PipelineTrainer:
 
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
-            ray.init(address=reachable(address, "RAY_ADDRESS") if address else "local")
+            joined = reachable(address, "RAY_ADDRESS") if address else "local"
+            if address:
+                use_token_if_the_cluster_asks(joined)
+            ray.init(address=joined)
         alive = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
         nodes = list(alive.values())
         use_gpu = resolve_use_gpu(use_gpu, num_replicas * num_stages, "stage actors")
