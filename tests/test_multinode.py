@@ -3,16 +3,13 @@ over both, pipeline stages packed onto one, two pipeline replicas one per node, 
 lost in the middle of a run.
 
 The commands run as subprocesses joined with ``--address``, as a user's would; the test session's
-own local Ray is untouched. Nodes share the IP, so placement is read from Ray node ids.
+own local Ray is untouched (``simulated_cluster``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,54 +19,12 @@ pytestmark = pytest.mark.slow  # a simulated two-node cluster and DDP/pipeline r
 import torch
 
 from raytrain_mp.models import build_model
-
-
-# The cluster lives in its own process: cluster_utils rebinds (and on shutdown resets) the calling
-# process's internal-KV client, which would break the test session's own Ray for later tests.
-# Its nodes advertise no GPUs: every simulated node would otherwise claim this machine's GPUs, and
-# two "nodes" would put two NCCL ranks on one GPU.
-CLUSTER_SCRIPT = """
-import sys
-from ray.cluster_utils import Cluster
-cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-workers = [cluster.add_node(num_cpus=2, num_gpus=0) for _ in range(int(sys.argv[1]))]
-cluster.wait_for_nodes()
-print(cluster.address, flush=True)
-for line in sys.stdin:
-    if not line.startswith("remove"):
-        break
-    cluster.remove_node(workers[int(line.split()[1])])
-    print("removed", flush=True)
-cluster.shutdown()
-"""
-
-
-class TwoNodes:
-    """A head node and one worker node, 2 CPUs each, on this machine."""
-
-    def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", CLUSTER_SCRIPT, "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env=driver_env(), start_new_session=True,
-        )  # fmt: skip
-        self.address = self.process.stdout.readline().strip()
-        assert self.address, "the cluster process exited before printing its address"
-
-    def remove_worker_node(self) -> None:
-        self.process.stdin.write("remove 0\n")
-        self.process.stdin.flush()
-        assert self.process.stdout.readline().strip() == "removed"
-
-    def shutdown(self) -> None:
-        try:
-            self.process.communicate("stop\n", timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
+from simulated_cluster import SimulatedCluster, driver_env
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    cluster = TwoNodes()
+    cluster = SimulatedCluster(workers=1)
     yield cluster.address
     cluster.shutdown()
 
@@ -88,10 +43,6 @@ def run(cmd: list[str]) -> tuple[dict, str]:
     return finish(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=driver_env()))
 
 
-def driver_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-
-
 @pytest.mark.parametrize(("placement", "nodes"), [("STRICT_PACK", 1), ("SPREAD", 2)])
 def test_pipeline_stages_follow_the_placement_strategy(two_nodes, digits_dir, tmp_path, placement, nodes):
     result, _ = run(command(
@@ -107,7 +58,7 @@ def test_ddp_spread_over_two_nodes_survives_losing_one(digits_dir, tmp_path):
     """SPREAD puts the 2 workers on both nodes; the worker node is removed after the first
     checkpoint. With --max-failures 1 the worker group restarts from that checkpoint on the head
     node, which still holds both workers (SPREAD is a preference, not a requirement), and finishes."""
-    cluster = TwoNodes()
+    cluster = SimulatedCluster(workers=1)
     try:
         process = subprocess.Popen(command(
             cluster.address, "ddp", "--no-use-gpu", "--data", digits_dir, "--num-workers", "2", "--placement", "SPREAD",

@@ -1,0 +1,69 @@
+"""Simulated Ray nodes on this machine (``ray.cluster_utils.Cluster``, 2 CPUs each) that a test adds
+and removes while a command runs against them with ``--address``.
+
+The cluster lives in its own process: cluster_utils rebinds (and on shutdown resets) the calling
+process's internal-KV client, which would break the test session's own Ray for later tests. Its
+nodes advertise no GPUs: every simulated node would otherwise claim this machine's GPUs, and two
+"nodes" would put two NCCL ranks on one GPU. Nodes share the IP, so placement is read from Ray
+node ids.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+CLUSTER_SCRIPT = """
+import sys
+from ray.cluster_utils import Cluster
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+workers = [cluster.add_node(num_cpus=2, num_gpus=0) for _ in range(int(sys.argv[1]))]
+cluster.wait_for_nodes()
+print(cluster.address, flush=True)
+for line in sys.stdin:
+    if line.startswith("remove"):
+        cluster.remove_node(workers[int(line.split()[1])])
+    elif line.startswith("add"):
+        workers.append(cluster.add_node(num_cpus=2, num_gpus=0))
+        cluster.wait_for_nodes()
+    else:
+        break
+    print("done", flush=True)
+cluster.shutdown()
+"""
+
+
+def driver_env() -> dict[str, str]:
+    """This environment without RAY_ADDRESS: the commands join the cluster by ``--address``."""
+    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+
+class SimulatedCluster:
+    """A head node and ``workers`` worker nodes, 2 CPUs each."""
+
+    def __init__(self, workers: int = 1) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", CLUSTER_SCRIPT, str(workers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=driver_env(), start_new_session=True,
+        )  # fmt: skip
+        self.address = self.process.stdout.readline().strip()
+        assert self.address, "the cluster process exited before printing its address"
+
+    def _ask(self, line: str) -> None:
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        assert self.process.stdout.readline().strip() == "done"
+
+    def remove_worker_node(self, index: int = 0) -> None:
+        self._ask(f"remove {index}")
+
+    def add_worker_node(self) -> None:
+        self._ask("add")
+
+    def shutdown(self) -> None:
+        try:
+            self.process.communicate("stop\n", timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)

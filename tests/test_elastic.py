@@ -1,0 +1,144 @@
+"""Elastic DDP on simulated nodes (``simulated_cluster``): a group that shrinks when a node is lost
+and grows when one joins trains the model an uninterrupted fixed-size run trains (fp64, 1e-9).
+
+One cluster serves the three runs in order, each a ``raytrain-mp ddp`` subprocess joined with
+``--address``: every worker reserves 2 CPUs, a whole node, so the node count decides the world size.
+  reference: head + 1 node, ``--num-workers 2``, uninterrupted;
+  shrink: ``--num-workers 1-2``, the worker node removed while the run holds after step 2;
+  grow: on the head alone (``1-2`` starts at W=1), a node added while it holds after step 2.
+The testing hook ``--hold-at-step 2:MARKER`` keeps every rank before global step 2 (just after
+the step checkpoint at 2) until the test writes MARKER, so the cluster changes at a known step.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from simulated_cluster import SimulatedCluster, driver_env
+
+pytestmark = pytest.mark.slow  # a simulated cluster and four DDP runs on it
+
+ARGS = [
+    "--no-use-gpu", "--precision", "fp64", "--epochs", "2", "--global-batch-size", "256", "--base-lr", "0.1",
+    "--seed", "3", "--log-every", "0", "--cpus-per-worker", "2", "--loader-workers", "0", "--placement", "SPREAD",
+    "--checkpoint-every-steps", "2", "--json",
+]  # fmt: skip
+
+
+class Run:
+    """A ``raytrain-mp ddp`` subprocess whose output lines are collected as they come."""
+
+    def __init__(self, address: str, storage: Path, name: str, *extra: str) -> None:
+        self.run_dir = storage / name
+        cmd = ["raytrain-mp", "ddp", "--address", address, "--storage-path", str(storage), "--name", name, *ARGS, *extra]
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=driver_env())
+        self.lines: list[tuple[float, str]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    @property
+    def out(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def wait_for(self, condition, what: str, timeout: float = 300) -> float:
+        """Poll until ``condition()``; the time it held. Fails early when the run ended."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.process.poll() is None, f"the run ended before {what}:\n{self.out[-4000:]}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.out[-4000:]}"
+            time.sleep(0.2)
+        return time.monotonic()
+
+    def line_time(self, fragment: str) -> float | None:
+        return next((t for t, line in self.lines if fragment in line), None)
+
+    def checkpointed(self, dir_name: str) -> bool:
+        """Ray Train registered the checkpoint (its snapshot names it), not merely wrote its files."""
+        snapshot = self.run_dir / "checkpoint_manager_snapshot.json"
+        return snapshot.is_file() and dir_name in snapshot.read_text()
+
+    def finish(self) -> dict:
+        self.process.wait(timeout=600)
+        self.reader.join(timeout=60)
+        assert self.process.returncode == 0, self.out[-4000:]
+        return json.loads(next(line for _, line in reversed(self.lines) if line.startswith("{")))
+
+
+@pytest.fixture(scope="module")
+def elastic_runs(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("elastic")
+    cluster = SimulatedCluster(workers=1)
+    try:
+        reference = Run(cluster.address, storage, "reference", "--num-workers", "2").finish()
+
+        go = storage / "shrink-go"
+        shrink = Run(cluster.address, storage, "shrink", "--num-workers", "1-2", "--max-failures", "1", "--hold-at-step", f"2:{go}")
+        shrink.wait_for(lambda: shrink.checkpointed("checkpoint_000001_step_000002"), "step checkpoint 2")
+        cluster.remove_worker_node(0)
+        lost = time.monotonic()
+        again = shrink.wait_for(lambda: shrink.line_time("1 worker on 1 node from step 2"), "a restart at W=1", timeout=400)
+        go.touch()
+        shrink_result = shrink.finish()
+
+        go = storage / "grow-go"
+        grow = Run(cluster.address, storage, "grow", "--num-workers", "1-2", "--max-failures", "1", "--resize-interval", "1",
+                   "--hold-at-step", f"2:{go}")  # fmt: skip
+        grow.wait_for(lambda: grow.checkpointed("checkpoint_000001_step_000002"), "step checkpoint 2")
+        cluster.add_worker_node()
+        joined = time.monotonic()
+        grown = grow.wait_for(lambda: grow.line_time("2 workers on 2 nodes from step 2"), "a restart at W=2", timeout=400)
+        go.touch()
+        grow_result = grow.finish()
+    finally:
+        cluster.shutdown()
+    print(f"node lost -> training again: {again - lost:.1f} s; node joined -> training at W=2: {grown - joined:.1f} s")
+    return {
+        "reference": reference, "shrink": shrink_result, "shrink_out": shrink.out, "grow": grow_result, "grow_out": grow.out,
+        "shrink_seconds": again - lost, "grow_seconds": grown - joined,
+    }  # fmt: skip
+
+
+def model_state(result: dict) -> dict[str, torch.Tensor]:
+    return torch.load(result["model"], map_location="cpu", weights_only=True)
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].numel())
+
+
+def test_the_reference_run_spreads_over_both_nodes(elastic_runs):
+    reference = elastic_runs["reference"]
+    assert reference["world_size"] == 2 and reference["num_nodes"] == 2 and reference["epochs"] == 2
+    assert reference["world_size_history"] == [[0, 2]]
+
+
+def test_shrink_after_losing_a_node_ends_with_the_uninterrupted_model(elastic_runs):
+    shrink, out = elastic_runs["shrink"], elastic_runs["shrink_out"]
+    assert "2 workers on 2 nodes from step 0" in out
+    assert "checkpoint_000001_step_000002 at epoch 1 step 3" in out
+    assert shrink["world_size_history"] == [[0, 2], [2, 1]]
+    assert shrink["world_size"] == 1 and shrink["num_nodes"] == 1 and shrink["epochs"] == 2
+    assert max_abs_diff(model_state(elastic_runs["reference"]), model_state(shrink)) < 1e-9
+    assert shrink["train_loss"] == pytest.approx(elastic_runs["reference"]["train_loss"], rel=1e-9)
+
+
+def test_grow_when_a_node_joins_ends_with_the_uninterrupted_model(elastic_runs):
+    grow, out = elastic_runs["grow"], elastic_runs["grow_out"]
+    assert "1 worker on 1 node from step 0" in out
+    assert grow["world_size_history"] == [[0, 1], [2, 2]]
+    assert grow["world_size"] == 2 and grow["num_nodes"] == 2 and grow["epochs"] == 2
+    assert max_abs_diff(model_state(elastic_runs["reference"]), model_state(grow)) < 1e-9
+    assert grow["train_loss"] == pytest.approx(elastic_runs["reference"]["train_loss"], rel=1e-9)
+    assert Path(grow["model"]).parent.name == "checkpoint_000002"
