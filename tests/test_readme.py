@@ -178,6 +178,10 @@ def check_output(command: str, out: str, home: Path, work: Path) -> None:
     elif command.startswith("raytrain-mp data prepare"):
         out_dir = work / command.split("--out ")[1].split()[0]
         assert (out_dir / "metadata.json").is_file()
+    elif command.startswith("raytrain-mp ddp --data") and "--num-workers 1-2" in command:  # elastic, on one machine
+        result = last_json(out)
+        assert result["epochs"] == 1 and result["world_size_history"] == [[0, 2]], out[-2000:]
+        assert "2 workers on 1 node from step 0" in out
     elif command.startswith("raytrain-mp ddp --data"):
         result = last_json(out)
         assert result["epochs"] == 2 and result["world_size"] == 2 and result["global_batch_size"] == 128

@@ -100,6 +100,8 @@ BAD = [
     (["--global-batch-sizes=-64"], ["--global-batch-sizes: must be >= 1, got -64"]),
     (["--global-batch-sizes", "64,100", "--num-workers", "3"], ["--global-batch-sizes: 64 is not divisible by --num-workers 3", "multiples of 3"]),
     (["--global-batch-sizes", "64", "--num-workers", "2", "--grad-accum-steps", "3"], ["x --grad-accum-steps 3", "multiples of 6"]),
+    (["--num-workers", "1-2", "--max-failures", "1"], ["--num-workers: a sweep's trials run at one size; accepted: a worker count, got 1-2"]),
+    (["--checkpoint-every-steps", "2"], ["unrecognized arguments: --checkpoint-every-steps"]),
     (["--global-batch-sizes", "64.5"], ["--global-batch-sizes: expected int, got '64.5'"]),
     (["--lr-min", "0", "--lr-max", "1"], ["--lr-min: must be a finite number > 0, got 0.0"]),
     (["--lr-min", "0.5", "--lr-max", "0.1"], ["--lr-max: must be > --lr-min 0.5, got 0.1"]),
