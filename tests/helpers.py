@@ -85,6 +85,19 @@ def run_cli_text(*argv: str) -> tuple[int, str]:
     return code, buffer.getvalue()
 
 
+def load_model_pt(result: dict) -> dict:
+    """The state dict of a run's ``--json`` result's ``model``."""
+    import torch
+
+    return torch.load(result["model"], map_location="cpu", weights_only=True)
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    """Largest difference over every tensor of two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].numel())
+
+
 def make_image_folder(root: Path, seed: int = 0) -> Path:
     """3 classes of 5 images each, JPEG and PNG of different sizes, smooth enough for JPEG."""
     from PIL import Image

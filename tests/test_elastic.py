@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from helpers import load_model_pt, max_abs_diff
 from simulated_cluster import SimulatedCluster, driver_env
 
 pytestmark = pytest.mark.slow  # a simulated cluster and four DDP runs on it
@@ -109,15 +109,6 @@ def elastic_runs(tmp_path_factory):
     }  # fmt: skip
 
 
-def model_state(result: dict) -> dict[str, torch.Tensor]:
-    return torch.load(result["model"], map_location="cpu", weights_only=True)
-
-
-def max_abs_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].numel())
-
-
 def test_the_reference_run_spreads_over_both_nodes(elastic_runs):
     reference = elastic_runs["reference"]
     assert reference["world_size"] == 2 and reference["num_nodes"] == 2 and reference["epochs"] == 2
@@ -130,7 +121,7 @@ def test_shrink_after_losing_a_node_ends_with_the_uninterrupted_model(elastic_ru
     assert "checkpoint_000001_step_000002 at epoch 1 step 3" in out
     assert shrink["world_size_history"] == [[0, 2], [2, 1]]
     assert shrink["world_size"] == 1 and shrink["num_nodes"] == 1 and shrink["epochs"] == 2
-    assert max_abs_diff(model_state(elastic_runs["reference"]), model_state(shrink)) < 1e-9
+    assert max_abs_diff(load_model_pt(elastic_runs["reference"]), load_model_pt(shrink)) < 1e-9
     assert shrink["train_loss"] == pytest.approx(elastic_runs["reference"]["train_loss"], rel=1e-9)
 
 
@@ -139,6 +130,6 @@ def test_grow_when_a_node_joins_ends_with_the_uninterrupted_model(elastic_runs):
     assert "1 worker on 1 node from step 0" in out
     assert grow["world_size_history"] == [[0, 1], [2, 2]]
     assert grow["world_size"] == 2 and grow["num_nodes"] == 2 and grow["epochs"] == 2
-    assert max_abs_diff(model_state(elastic_runs["reference"]), model_state(grow)) < 1e-9
+    assert max_abs_diff(load_model_pt(elastic_runs["reference"]), load_model_pt(grow)) < 1e-9
     assert grow["train_loss"] == pytest.approx(elastic_runs["reference"]["train_loss"], rel=1e-9)
     assert Path(grow["model"]).parent.name == "checkpoint_000002"

@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from helpers import make_image_folder, run_cli_json
+from helpers import load_model_pt, make_image_folder, max_abs_diff, run_cli_json
 from raytrain_mp.models import build_model
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # fp64 and fp32 DDP runs
@@ -84,15 +84,6 @@ def fit_on_a_larger_ray(storage: str, name: str, *extra: str) -> dict:
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
-
-
-def load_model_pt(result: dict) -> dict[str, torch.Tensor]:
-    return torch.load(result["model"], map_location="cpu", weights_only=True)
-
-
-def max_abs_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].numel())
 
 
 def test_world_size_invariance_fp64(fp64_runs):
