@@ -155,7 +155,7 @@ def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, str) and value.strip().isdigit()
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and value.strip().isdigit())
 
 
 def _convert(base: type, value: Any, flag: str, source: str) -> Any:
