@@ -110,22 +110,28 @@ def reachable(address: str, option: str = "--address") -> str:
 
 def use_token_if_the_cluster_asks(address: str) -> None:
     """Send this machine's Ray token when joining exactly when the cluster runs with token
-    authentication, as ``RAY_AUTH_MODE=token`` would. Its GCS answers a client without a token at
-    once, with ``AuthenticationError`` when it wants one. Sending a token to a cluster started
-    without one is no answer either: the driver's own server then refuses the cluster's calls
-    ("Missing authorization header") and every actor is cancelled before it runs. ``RAY_AUTH_MODE``
-    set by the user wins."""
+    authentication, as ``RAY_AUTH_MODE=token`` would. The probe asks the GCS for its cluster id
+    without a token (plain gRPC, so nothing is logged): a cluster that wants one answers
+    UNAUTHENTICATED at once. Sending a token to a cluster started without one is no answer either:
+    the driver's own server then refuses the cluster's calls ("Missing authorization header") and
+    every actor is cancelled before it runs. ``RAY_AUTH_MODE`` set by the user wins."""
     if os.environ.get("RAY_AUTH_MODE") or "://" in address:
         return
-    from ray._raylet import GcsClient
-    from ray.exceptions import AuthenticationError
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
-    try:
-        GcsClient(address=address)
-    except AuthenticationError:
-        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    with grpc.insecure_channel(address) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=CONNECT_TIMEOUT_S
+            )
+            return
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAUTHENTICATED:
+                return  # not this probe's to report: ray.init says what is wrong with the address
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
 
-        _enable_token_auth()  # Ray's own switch: the variable plus its cached config
+    _enable_token_auth()  # Ray's own switch: the variable plus its cached config
 
 
 def free_port() -> int:

@@ -85,6 +85,21 @@ def run_cli_text(*argv: str) -> tuple[int, str]:
     return code, buffer.getvalue()
 
 
+def auth_mode_after_probe(address: str, env: dict[str, str]) -> str:
+    """RAY_AUTH_MODE after ``cluster.use_token_if_the_cluster_asks(address)`` in a fresh process
+    with ``env`` ("" when it left token authentication off), and what that process wrote to stderr."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\nfrom raytrain_mp.cluster import use_token_if_the_cluster_asks\n"
+        "use_token_if_the_cluster_asks(sys.argv[1])\nprint(os.environ.get('RAY_AUTH_MODE', ''))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, address], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+    return done.stdout.strip()
+
+
 def load_model_pt(result: dict) -> dict:
     """The state dict of a run's ``--json`` result's ``model``."""
     import torch

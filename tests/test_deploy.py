@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import auth_mode_after_probe
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -189,6 +191,13 @@ def test_job_submit_bad_argument_fails_with_one_line(head_node):
     status, logs = submit(env, address, "jobs/ddp_resnet.py", "--num-workers", "2", "--global-batch-size", "63")
     assert status == "FAILED"
     assert "raytrain-mp: error: --global-batch-size: 63 is not divisible by --num-workers 2; accepted: a multiple of 2" in logs
+
+
+@pytest.mark.slow
+def test_the_token_probe_finds_a_token_cluster(head_node):
+    env, _, gcs_port = head_node
+    env = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
+    assert auth_mode_after_probe(f"127.0.0.1:{gcs_port}", env) == "token"
 
 
 @pytest.mark.slow

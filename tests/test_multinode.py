@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow  # a simulated two-node cluster and DDP/pipeline r
 import torch
 
 from raytrain_mp.models import build_model
+from helpers import auth_mode_after_probe
 from simulated_cluster import SimulatedCluster, driver_env
 
 
@@ -27,6 +28,14 @@ def two_nodes():
     cluster = SimulatedCluster(workers=1)
     yield cluster.address
     cluster.shutdown()
+
+
+def test_a_token_on_this_machine_does_not_make_a_join_send_it(two_nodes, tmp_path):
+    """The simulated cluster runs without token authentication: a driver that sent this machine's
+    token would refuse the cluster's own calls, and every actor would be cancelled."""
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("0" * 64)
+    assert auth_mode_after_probe(two_nodes, {**driver_env(), "HOME": str(tmp_path)}) == ""
 
 
 def command(address: str, *args: str) -> list[str]:
