@@ -30,12 +30,13 @@ overhead case):
   ``--overhead-schedules`` x ``--overhead-microbatches``, ``--overhead-steps`` timed steps after
   ``OVERHEAD_WARMUP`` untimed ones. ``results["overhead"]["runs"]`` holds per (schedule, m) ours'
   and native milliseconds per step, ``ours_in_ranks_ms`` (the part of ours spent inside the stage
-  actors, ``PipelineTrainer.stats``: what is left is the Ray call per step), ``native_over_ours``
-  (and ``native_over_ours_in_ranks``) (native median / ours; >= 1: ours is at
-  least as fast), ours' measured bubble fraction and, where it has one, the schedule's ideal bubble
+  actors, ``PipelineTrainer.stats``: what is left is the Ray call per step), ``ours_queued_ms``
+  (steps queued behind the running one as the run loop trains, ``queued_step_seconds``: the Ray
+  call then overlaps the step before it), ``native_over_ours`` (and ``native_over_ours_in_ranks``,
+  ``native_over_ours_queued``) (native median / ours; >= 1: ours is at least as fast), ours' measured bubble fraction and, where it has one, the schedule's ideal bubble
   (``schedule.ideal_bubble``: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved);
-  ``summary.overhead_native_over_ours`` is that ratio per schedule at m=8; ``overhead.png``
-  plots milliseconds per step against m.
+  ``summary.overhead_native_over_ours`` (and ``..._queued``) is that ratio per schedule at m=8;
+  ``overhead.png`` plots milliseconds per step against m.
 - the hybrid case (``--hybrid``, on by default), data x pipeline: for k = ``--hybrid-workers``
   stage actors, every layout of R replicas x S stages with R x S = k, from pure data parallel
   (R=k, S=1) to pure pipeline (R=1, S=k), on the same model and global batch as the ResNet
@@ -268,6 +269,18 @@ def one_process(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor
     }
 
 
+def queued_step_seconds(trainer: PipelineTrainer, x: Tensor, y: Tensor, sweep: Sweep) -> list[float]:
+    """Seconds from one step's end to the next's with each step queued behind the running one, as
+    the run loop trains (``PipelineTrainer.train_steps``): the throughput of a training run. The
+    first ``sweep.warmup`` steps are not counted (at least one, so that every interval starts at
+    a step's end)."""
+    warmup = max(1, sweep.warmup)
+    ends = []
+    for _ in trainer.train_steps((x, y, None) for _ in range(warmup + sweep.steps)):
+        ends.append(time.perf_counter())
+    return [later - earlier for earlier, later in zip(ends[warmup - 1 :], ends[warmup:])]
+
+
 def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, m: int, sweep: Sweep) -> dict[str, Any]:
     """Step time, busy time per stage and bubble fraction of one (schedule, m) on running stages
     (``trainer.set_schedule`` already called); the ideal bubble of the schedules that have a formula."""
@@ -281,11 +294,14 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
     seconds = timed(step, sweep.warmup, sweep.steps)
     progress(f"{sweep.label}{schedule} m={m}", summarize(seconds), sweep.unit)
     measured = per_step[sweep.warmup:]
+    queued = queued_step_seconds(trainer, x, y, sweep)
+    progress(f"{sweep.label}{schedule} m={m}, steps queued", summarize(queued), sweep.unit)
     busy = [summarize(per_stage) for per_stage in zip(*(s["busy_seconds"] for s in measured))]
     run = {
         "schedule": schedule,
         "microbatches": m,
         "step_seconds": summarize(seconds),
+        "queued_step_seconds": summarize(queued),
         "busy_seconds": busy,
         "bubble_fraction": summarize([s["bubble_fraction"] for s in measured]),
         "rank_step_seconds": summarize([s["rank_seconds_per_step"] for s in measured]),
@@ -499,15 +515,18 @@ def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: d
         "best_vs_one_process_speedup": whole / best["step_seconds"]["median"],
     }
     ours_over_native: dict[str, dict[str, float]] = {}
+    queued_over_native: dict[str, dict[str, float]] = {}
     for run in native["runs"]:
         ours = find_run(layouts["fixed"], run["schedule"], run["microbatches"])
         if ours is not None:
-            ratio = run["step_seconds"]["median"] / ours["step_seconds"]["median"]
-            ours_over_native.setdefault(run["schedule"], {})[str(run["microbatches"])] = ratio
+            native_seconds, m = run["step_seconds"]["median"], str(run["microbatches"])
+            ours_over_native.setdefault(run["schedule"], {})[m] = native_seconds / ours["step_seconds"]["median"]
+            queued_over_native.setdefault(run["schedule"], {})[m] = native_seconds / ours["queued_step_seconds"]["median"]
     _, native_best = best_run({"native": native})
     result["best_native"] = {"schedule": native_best["schedule"], "microbatches": native_best["microbatches"]}
     result["best_native_seconds"] = native_best["step_seconds"]["median"]
     result["ours_over_native"] = ours_over_native
+    result["ours_queued_over_native"] = queued_over_native
     if "balanced" in layouts:
         # GPipe against GPipe: the balanced layout runs no 1F1B.
         fixed_best = min(r["step_seconds"]["median"] for r in layouts["fixed"]["runs"] if r["schedule"] == "gpipe")
@@ -580,6 +599,7 @@ def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dic
             "virtual_stages": run["virtual_stages"],
             "ours_ms": in_ms(run["step_seconds"]),
             "ours_in_ranks_ms": in_ms(run["rank_step_seconds"]),
+            "ours_queued_ms": in_ms(run["queued_step_seconds"]),
             "bubble_fraction": run["bubble_fraction"],
             **({"bubble_formula": run["bubble_formula"]} if "bubble_formula" in run else {}),
         }
@@ -588,6 +608,7 @@ def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dic
             entry["native_ms"] = in_ms(peer["step_seconds"])
             entry["native_over_ours"] = peer["step_seconds"]["median"] / run["step_seconds"]["median"]
             entry["native_over_ours_in_ranks"] = peer["step_seconds"]["median"] / run["rank_step_seconds"]["median"]
+            entry["native_over_ours_queued"] = peer["step_seconds"]["median"] / run["queued_step_seconds"]["median"]
         runs.append(entry)
     layers = mlp_layers(cfg)
     return {
@@ -603,14 +624,11 @@ def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dic
     }
 
 
-def overhead_ratios(overhead: dict[str, Any]) -> dict[str, float]:
-    """``summary.overhead_native_over_ours``: per schedule, native / ours at m = ``RATIO_AT_M``
-    (schedules without that point measured on both sides are left out)."""
-    return {
-        run["schedule"]: run["native_over_ours"]
-        for run in overhead["runs"]
-        if run["microbatches"] == RATIO_AT_M and "native_over_ours" in run
-    }
+def overhead_ratios(overhead: dict[str, Any], key: str = "native_over_ours") -> dict[str, float]:
+    """``summary.overhead_native_over_ours`` (``key``; ``native_over_ours_queued`` for steps queued
+    as the run loop queues them): per schedule, native / ours at m = ``RATIO_AT_M`` (schedules
+    without that point measured on both sides are left out)."""
+    return {run["schedule"]: run[key] for run in overhead["runs"] if run["microbatches"] == RATIO_AT_M and key in run}
 
 
 def plot_overhead(path: Path, cfg: BenchPipelineConfig, overhead: dict[str, Any]) -> None:
@@ -619,6 +637,7 @@ def plot_overhead(path: Path, cfg: BenchPipelineConfig, overhead: dict[str, Any]
     for schedule in cfg.overhead_schedules:
         runs = [r for r in overhead["runs"] if r["schedule"] == schedule]
         curves[f"ours {schedule}"] = ([(r["microbatches"], r["ours_ms"]) for r in runs], "-")
+        curves[f"ours {schedule}, steps queued"] = ([(r["microbatches"], r["ours_queued_ms"]) for r in runs], ":")
         curves[f"torch {schedule}"] = ([(r["microbatches"], r["native_ms"]) for r in runs if "native_ms" in r], "--")
     title = f"overhead case: {overhead['model']}, batch {cfg.overhead_batch_size}, {cfg.stages} stages"
     curve_chart(path, curves, overhead_sweep(cfg).microbatches, "micro-batches per step (m)", "milliseconds per training step", title)
@@ -666,6 +685,7 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     if ours_overhead is not None and native_overhead is not None:
         results["overhead"] = overhead_section(cfg, ours_overhead, native_overhead)
         results["summary"]["overhead_native_over_ours"] = overhead_ratios(results["overhead"])
+        results["summary"]["overhead_native_over_ours_queued"] = overhead_ratios(results["overhead"], "native_over_ours_queued")
         plots.append(out / "overhead.png")
         plot_overhead(plots[-1], cfg, results["overhead"])
     if hybrid is not None:

@@ -1,7 +1,10 @@
 """The ``raytrain-mp pipeline`` training run: epochs of pipelined steps over stage actors.
 
 Reads top to bottom like the DDP loop, but on the driver: data, model, restore, then epochs of
-(train with a per-step learning rate, evaluate, checkpoint). Invariants:
+(train with a per-step learning rate, evaluate, checkpoint). Each step is one call per stage
+actor, carrying its learning rate, and the next step is queued behind it
+(``PipelineTrainer.train_steps``), so the driver reads the next batch while the stages compute.
+Invariants:
 
 - Sample order is a pure function of (seed, epoch): a seeded permutation, full batches only, so a
   resumed run sees the same batches an uninterrupted one would.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -137,6 +141,14 @@ def epoch_batches(length: int, batch_size: int, seed: int, epoch: int) -> list[t
     """The epoch's index batches: a seeded permutation cut into full batches."""
     order = torch.randperm(length, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return list(order[: length // batch_size * batch_size].split(batch_size))
+
+
+def epoch_steps(train, batch_size: int, seed: int, epoch: int, lr_of_step) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
+    """The epoch's (inputs, targets, lr) steps; ``train_steps`` reads each while the step before it trains."""
+    train_ds, to_input = train
+    for step, indices in enumerate(epoch_batches(len(train_ds), batch_size, seed, epoch)):
+        images, y, params = train_ds.batch((epoch, int(i)) for i in indices)
+        yield to_input(images, params), y, lr_of_step(step)
 
 
 def evaluate(trainer: PipelineTrainer, loader: DataLoader, to_input) -> dict[str, float]:
@@ -264,11 +276,9 @@ def train_epochs(cfg, trainer, train, val, schedule, steps_per_epoch, start_epoc
     for epoch in range(start_epoch, cfg.epochs):
         started = time.perf_counter()
         loss_sum = 0.0
-        for step, indices in enumerate(epoch_batches(len(train_ds), cfg.global_batch_size, cfg.seed, epoch)):
-            images, y, params = train_ds.batch((epoch, int(i)) for i in indices)
-            x = to_input(images, params)
-            trainer.set_lr(schedule(epoch * steps_per_epoch + step))
-            loss_sum += trainer.train_step(x, y)
+        steps = epoch_steps(train, cfg.global_batch_size, cfg.seed, epoch, lambda step, epoch=epoch: schedule(epoch * steps_per_epoch + step))
+        for step, loss in enumerate(trainer.train_steps(steps)):
+            loss_sum += loss
             if cfg.log_every and (step + 1) % cfg.log_every == 0:
                 print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} loss {loss_sum / (step + 1):.4f}", flush=True)
         elapsed = time.perf_counter() - started

@@ -341,13 +341,17 @@ class StageWorker:
         inputs: Tensor | None,
         targets: Tensor | None,
         max_norm: float | None = None,
+        lr: float | None = None,
     ) -> tuple[float | None, float, float]:
         """One optimizer step: the schedule's forwards and backwards over the batch, clipping, the
         update. Rank 0 gets ``inputs``, the last rank ``targets`` (None elsewhere): this replica's
         share of the step's batch. Returns (on the last rank this replica's share of the global batch
         mean loss, else None; the seconds this rank computed; the seconds this call took, computing
-        and waiting for its peers)."""
+        and waiting for its peers). ``lr``, when given, is the step's learning rate (a per-step
+        schedule sets it in the step's own call rather than in one more call per step)."""
         called = time.perf_counter()
+        if lr is not None:
+            self.set_lr(lr)
         key = (schedule, num_microbatches, tuple(microbatch_shape))
         if key != self._schedule_key:
             probe = inputs[: microbatch_shape[0]] if self.holds_first else None

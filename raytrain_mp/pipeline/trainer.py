@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -273,6 +274,8 @@ class PipelineTrainer:
         self.use_gpu = use_gpu
         self.clip_grad_norm = clip_grad_norm
         self.steps_done = 0  # train steps completed; the CLI sets it when resuming
+        self._queued = 0  # steps submitted and not yet finished (train_steps)
+        self._last_finish = 0.0
         self._actors: list[Any] = []
         self._stopped = "shutdown(), which stopped its stage actors"
         # Only STRICT_PACK takes a target node; it spreads the replicas (a hint: Ray may still pack them).
@@ -389,8 +392,32 @@ class PipelineTrainer:
             raise failed from origin
         return [results[ref] for ref in refs]
 
-    def train_step(self, inputs: Tensor, targets: Tensor) -> float:
-        """One optimizer step on the batch; returns the batch mean cross-entropy loss."""
+    def train_step(self, inputs: Tensor, targets: Tensor, lr: float | None = None) -> float:
+        """One optimizer step on the batch (at learning rate ``lr`` when given); returns the batch
+        mean cross-entropy loss."""
+        return self._finish_step(*self._submit_step(inputs, targets, lr))
+
+    def train_steps(self, batches: Iterable[tuple[Tensor, Tensor, float | None]], ahead: int = 1) -> Iterator[float]:
+        """``train_step`` over ``(inputs, targets, lr)`` batches, yielding each step's loss in order,
+        with up to ``ahead`` steps queued on the actors behind the running one. The actors run
+        their calls in order, so the steps are those of ``train_step`` one by one; what changes is
+        that a step's Ray call, and the driver's reading of the next batch, happen while the
+        previous step computes. Every submitted step runs: closing the iterator early still
+        waits for the queued ones."""
+        queued: deque[tuple[int, list[tuple[int, ray.ObjectRef]], float]] = deque()
+        try:
+            for inputs, targets, lr in batches:
+                queued.append(self._submit_step(inputs, targets, lr))
+                if len(queued) > ahead:
+                    yield self._finish_step(*queued.popleft())
+            while queued:
+                yield self._finish_step(*queued.popleft())
+        finally:
+            while queued and self._actors:  # after a failure the actors are gone and nothing is left to wait for
+                self._finish_step(*queued.popleft())
+
+    def _submit_step(self, inputs: Tensor, targets: Tensor, lr: float | None) -> tuple[int, list[tuple[int, ray.ObjectRef]], float]:
+        """Check the batch and hand each rank its share of the step: (step number, refs, when)."""
         batch, m = len(inputs), self.num_microbatches
         check_microbatches(m, batch)
         if batch % m:
@@ -401,22 +428,30 @@ class PipelineTrainer:
         check_replicas(self.num_replicas, batch, m)
         if len(targets) != batch:
             raise UsageError(f"targets: {len(targets)} targets for {batch} inputs")
-        step = self.steps_done + 1
+        submitted = time.perf_counter()
         last = self.num_stages - 1
         shape = (batch // (self.num_replicas * m), *inputs.shape[1:])
-        start = time.perf_counter()
         refs = [
             (global_rank(replica, rank, self.num_stages), self.actor(rank, replica).train_step.remote(
-                self.schedule, m, shape, x if rank == 0 else None, y if rank == last else None, self.clip_grad_norm,
+                self.schedule, m, shape, x if rank == 0 else None, y if rank == last else None, self.clip_grad_norm, lr,
             ))
             for replica, (x, y) in enumerate(replica_shares(inputs, targets, self.num_replicas))
             for rank in range(self.num_stages)
         ]  # fmt: skip
+        self._queued += 1
+        return self.steps_done + self._queued, refs, submitted
+
+    def _finish_step(self, step: int, refs: list[tuple[int, ray.ObjectRef]], submitted: float) -> float:
+        """Wait for a submitted step; its time counts from when the ranks could start it: its
+        submission, or the end of the step before it when that came later (a queued step)."""
         results = self._gather(refs, step)
-        self._record(time.perf_counter() - start, [busy for _, busy, _ in results], max(took for *_, took in results))
+        now = time.perf_counter()
+        self._record(now - max(submitted, self._last_finish), [busy for _, busy, _ in results], max(took for *_, took in results))
+        self._last_finish = now
+        self._queued -= 1
         self.steps_done = step
         # Each replica's last rank returns its share of the global batch mean.
-        return sum(loss for loss, _, _ in results[last :: self.num_stages])
+        return sum(loss for loss, _, _ in results[self.num_stages - 1 :: self.num_stages])
 
     def predict(self, inputs: Tensor) -> Tensor:
         """Eval-mode outputs (logits) for ``inputs``, in micro-batches through replica 0's stages."""

@@ -88,6 +88,7 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
         assert runs == expected[name], name  # 1F1B needs m >= stages; the balanced layout runs GPipe only
         for run in layout["runs"]:
             assert_spread(run["step_seconds"])
+            assert_spread(run["queued_step_seconds"])
             assert len(run["busy_seconds"]) == 2
             assert len(run.get("peak_activation_bytes", [0, 0])) == 2 and ("peak_activation_bytes" in run) == (virtual == 1)
             assert run["bubble_formula"] == 1 / (virtual * run["microbatches"] + 1)
@@ -138,21 +139,23 @@ def assert_overhead(results: dict, printed: dict) -> None:
     assert list(runs) == [("gpipe", 1), ("gpipe", 8), ("1f1b", 8), ("interleaved-1f1b", 1), ("interleaved-1f1b", 8)]
     skipped = [(s["side"], s["schedule"], s["microbatches"]) for s in overhead["skipped"]]
     assert skipped == [("ours", "1f1b", 1), ("native", "1f1b", 1)]
-    keys = {"schedule", "microbatches", "virtual_stages", "ours_ms", "ours_in_ranks_ms", "native_ms", "native_over_ours",
-            "native_over_ours_in_ranks", "bubble_fraction", "bubble_formula"}  # fmt: skip
+    keys = {"schedule", "microbatches", "virtual_stages", "ours_ms", "ours_in_ranks_ms", "ours_queued_ms", "native_ms",
+            "native_over_ours", "native_over_ours_in_ranks", "native_over_ours_queued", "bubble_fraction", "bubble_formula"}  # fmt: skip
     for (schedule, m), run in runs.items():
         virtual = 2 if schedule.startswith("interleaved") else 1
         assert set(run) == keys and run["virtual_stages"] == virtual
-        for figure in ("ours_ms", "ours_in_ranks_ms", "native_ms", "bubble_fraction"):
+        for figure in ("ours_ms", "ours_in_ranks_ms", "ours_queued_ms", "native_ms", "bubble_fraction"):
             assert_spread(run[figure])
         assert run["ours_in_ranks_ms"]["median"] <= run["ours_ms"]["median"]  # the rank's part of the call
         assert 0 <= run["bubble_fraction"]["min"] and run["bubble_fraction"]["max"] < 1
         assert run["bubble_formula"] == (2 - 1) / (virtual * m + 2 - 1)
-        for ratio, ours in (("native_over_ours", "ours_ms"), ("native_over_ours_in_ranks", "ours_in_ranks_ms")):
+        ratios = (("native_over_ours", "ours_ms"), ("native_over_ours_in_ranks", "ours_in_ranks_ms"), ("native_over_ours_queued", "ours_queued_ms"))
+        for ratio, ours in ratios:
             assert math.isfinite(run[ratio]) and run[ratio] > 0
             assert math.isclose(run[ratio], run["native_ms"]["median"] / run[ours]["median"])
-    at8 = {schedule: runs[schedule, 8]["native_over_ours"] for schedule in ("gpipe", "1f1b", "interleaved-1f1b")}
-    assert results["summary"]["overhead_native_over_ours"] == printed["overhead_native_over_ours"] == at8
+    for key in ("native_over_ours", "native_over_ours_queued"):
+        at8 = {schedule: runs[schedule, 8][key] for schedule in ("gpipe", "1f1b", "interleaved-1f1b")}
+        assert results["summary"][f"overhead_{key}"] == printed[f"overhead_{key}"] == at8
     settings = results["settings"]
     assert settings["overhead"] is True and settings["overhead_schedules"] == ["gpipe", "1f1b", "interleaved-1f1b"]
 
@@ -172,13 +175,14 @@ def assert_native(results: dict) -> None:
     (skip,) = native["skipped"]
     assert (skip["schedule"], skip["microbatches"]) == ("1f1b", 1) and "stages" in skip["reason"]
     summary = results["summary"]
-    ratios = summary["ours_over_native"]
-    assert {(s, int(m)) for s, by_m in ratios.items() for m in by_m} == measured
-    for schedule, by_m in ratios.items():
-        for m, ratio in by_m.items():
-            native_run = next(r for r in native["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
-            ours = next(r for r in results["layouts"]["fixed"]["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
-            assert math.isclose(ratio, native_run["step_seconds"]["median"] / ours["step_seconds"]["median"])
+    for key, figure in (("ours_over_native", "step_seconds"), ("ours_queued_over_native", "queued_step_seconds")):
+        ratios = summary[key]
+        assert {(s, int(m)) for s, by_m in ratios.items() for m in by_m} == measured
+        for schedule, by_m in ratios.items():
+            for m, ratio in by_m.items():
+                native_run = next(r for r in native["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
+                ours = next(r for r in results["layouts"]["fixed"]["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
+                assert math.isclose(ratio, native_run["step_seconds"]["median"] / ours[figure]["median"])
     assert (summary["best_native"]["schedule"], summary["best_native"]["microbatches"]) in measured
     assert summary["best_native_seconds"] == min(r["step_seconds"]["median"] for r in native["runs"] if r["microbatches"] > 1)
 

@@ -141,10 +141,14 @@ class TestAgainstGradientAccumulation:
         trainer.load_state_dict(pipeline.initial_state)
         trainer.load_optimizer_state_dicts(pipeline.initial_optimizer_states)
         trainer.set_schedule(schedule, m)
-        losses = []
-        for (x, y), lr in zip(_batches(pipeline.dtype, steps), LRS):
-            trainer.set_lr(lr)
-            losses.append(trainer.train_step(x, y))
+        batches = list(zip(_batches(pipeline.dtype, steps), LRS))
+        if m == 5:  # the run loop's way: each step's lr in its own call, two steps queued behind the running one
+            losses = list(trainer.train_steps(((x, y, lr) for (x, y), lr in batches), ahead=2))
+        else:  # a step at a time, the lr set by its own call
+            losses = []
+            for (x, y), lr in batches:
+                trainer.set_lr(lr)
+                losses.append(trainer.train_step(x, y))
         want_losses, want_state = _reference(pipeline.dtype, m, steps)
         rtol = 1e-10 if float64 else 1e-5
         assert losses == pytest.approx(want_losses, rel=rtol)
@@ -172,6 +176,11 @@ class TestAgainstGradientAccumulation:
         assert all(seconds > 0 for seconds in stats["busy_seconds"])
         assert stats["bubble_fraction"] < 1
         assert trainer.stats()["steps"] == 0
+        done = trainer.steps_done
+        queued = trainer.train_steps(((x, y, None) for _ in range(3)), ahead=2)
+        assert next(queued) > 0 and trainer.steps_done == done + 1
+        queued.close()  # the two steps queued behind the first still run, and count
+        assert trainer.steps_done == done + 3 and trainer.stats()["steps"] == 3
 
 
 def test_deferred_bn_time_balance_adamw_and_clipping(ray_session: object) -> None:
