@@ -269,16 +269,17 @@ def one_process(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor
     }
 
 
-def queued_step_seconds(trainer: PipelineTrainer, x: Tensor, y: Tensor, sweep: Sweep) -> list[float]:
-    """Seconds from one step's end to the next's with each step queued behind the running one, as
-    the run loop trains (``PipelineTrainer.train_steps``): the throughput of a training run. The
-    first ``sweep.warmup`` steps are not counted (at least one, so that every interval starts at
-    a step's end)."""
+def queued_steps(trainer: PipelineTrainer, x: Tensor, y: Tensor, sweep: Sweep) -> tuple[list[float], list[float]]:
+    """Each step queued behind the running one, as the run loop trains (``PipelineTrainer.train_steps``):
+    the seconds from one step's end to the next's (the throughput of a training run) and each
+    step's bubble fraction over that time. The first ``sweep.warmup`` steps are not counted (at
+    least one, so that every interval starts at a step's end)."""
     warmup = max(1, sweep.warmup)
-    ends = []
+    ends, bubbles = [], []
     for _ in trainer.train_steps((x, y, None) for _ in range(warmup + sweep.steps)):
         ends.append(time.perf_counter())
-    return [later - earlier for earlier, later in zip(ends[warmup - 1 :], ends[warmup:])]
+        bubbles.append(trainer.stats(reset=True)["bubble_fraction"])
+    return [later - earlier for earlier, later in zip(ends[warmup - 1 :], ends[warmup:])], bubbles[warmup:]
 
 
 def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, m: int, sweep: Sweep) -> dict[str, Any]:
@@ -294,7 +295,7 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
     seconds = timed(step, sweep.warmup, sweep.steps)
     progress(f"{sweep.label}{schedule} m={m}", summarize(seconds), sweep.unit)
     measured = per_step[sweep.warmup:]
-    queued = queued_step_seconds(trainer, x, y, sweep)
+    queued, queued_bubbles = queued_steps(trainer, x, y, sweep)
     progress(f"{sweep.label}{schedule} m={m}, steps queued", summarize(queued), sweep.unit)
     busy = [summarize(per_stage) for per_stage in zip(*(s["busy_seconds"] for s in measured))]
     run = {
@@ -304,6 +305,7 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
         "queued_step_seconds": summarize(queued),
         "busy_seconds": busy,
         "bubble_fraction": summarize([s["bubble_fraction"] for s in measured]),
+        "queued_bubble_fraction": summarize(queued_bubbles),
         "rank_step_seconds": summarize([s["rank_seconds_per_step"] for s in measured]),
     }
     # With replicas, busy has one entry per actor; the formulas are about one pipeline (replica 0's).
@@ -535,12 +537,16 @@ def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: d
         at8 = find_run(layouts["balanced"], "gpipe", 8)
         if at8 is not None:
             result["balanced_gpipe_m8_bubble_gap"] = abs(at8["bubble_fraction"]["median"] - at8["bubble_formula"])
+            result["balanced_gpipe_m8_queued_bubble_gap"] = abs(at8["queued_bubble_fraction"]["median"] - at8["bubble_formula"])
             # what the runtime adds beyond the stages' own imbalance
             result["balanced_gpipe_m8_bubble_over_stage_times"] = at8["bubble_fraction"]["median"] - at8["bubble_for_stage_times"]
     if "interleaved" in layouts:
         at8 = find_run(layouts["interleaved"], "interleaved-1f1b", 8)
         if at8 is not None:
-            result["interleaved_1f1b_m8_bubble"] = {"measured": at8["bubble_fraction"]["median"], "formula": at8["bubble_formula"]}
+            result["interleaved_1f1b_m8_bubble"] = {
+                "measured": at8["bubble_fraction"]["median"], "measured_queued": at8["queued_bubble_fraction"]["median"],
+                "formula": at8["bubble_formula"],
+            }  # fmt: skip
     return result
 
 

@@ -89,6 +89,7 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
         for run in layout["runs"]:
             assert_spread(run["step_seconds"])
             assert_spread(run["queued_step_seconds"])
+            assert 0 <= run["queued_bubble_fraction"]["min"] and run["queued_bubble_fraction"]["max"] < 1
             assert len(run["busy_seconds"]) == 2
             assert len(run.get("peak_activation_bytes", [0, 0])) == 2 and ("peak_activation_bytes" in run) == (virtual == 1)
             assert run["bubble_formula"] == 1 / (virtual * run["microbatches"] + 1)
