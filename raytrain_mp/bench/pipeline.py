@@ -31,8 +31,8 @@ overhead case):
   ``OVERHEAD_WARMUP`` untimed ones. ``results["overhead"]["runs"]`` holds per (schedule, m) ours'
   and native milliseconds per step, ``ours_in_ranks_ms`` (the part of ours spent inside the stage
   actors, ``PipelineTrainer.stats``: what is left is the Ray call per step), ``ours_queued_ms``
-  (steps queued behind the running one as the run loop trains, ``queued_step_seconds``: the Ray
-  call then overlaps the step before it), ``native_over_ours`` (and ``native_over_ours_in_ranks``,
+  (as the run loop trains: ``--overhead-steps-per-call`` steps a Ray call, the next call queued
+  behind the running one, ``queued_step_seconds``; the ResNet figures queue one step a call), ``native_over_ours`` (and ``native_over_ours_in_ranks``,
   ``native_over_ours_queued``) (native median / ours; >= 1: ours is at least as fast), ours' measured bubble fraction and, where it has one, the schedule's ideal bubble
   (``schedule.ideal_bubble``: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved);
   ``summary.overhead_native_over_ours`` (and ``..._queued``) is that ratio per schedule at m=8;
@@ -134,6 +134,7 @@ class Sweep:
     microbatches: tuple[int, ...]
     warmup: int
     steps: int
+    steps_per_call: int = 1  # of the queued measurement (the run loop's --steps-per-call)
 
 
 def max_in_flight(schedule: str, num_stages: int, num_microbatches: int) -> list[int]:
@@ -270,16 +271,22 @@ def one_process(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor
 
 
 def queued_steps(trainer: PipelineTrainer, x: Tensor, y: Tensor, sweep: Sweep) -> tuple[list[float], list[float]]:
-    """Each step queued behind the running one, as the run loop trains (``PipelineTrainer.train_steps``):
-    the seconds from one step's end to the next's (the throughput of a training run) and each
-    step's bubble fraction over that time. The first ``sweep.warmup`` steps are not counted (at
-    least one, so that every interval starts at a step's end)."""
-    warmup = max(1, sweep.warmup)
+    """The steps as the run loop trains them (``PipelineTrainer.train_steps``): ``sweep.steps_per_call``
+    steps a Ray call, the next call queued behind the running one. Per call, the seconds per step
+    from one call's end to the next's (the throughput of a training run) and the bubble fraction
+    over that time. Calls holding the first ``sweep.warmup`` steps (at least one call, so that
+    every interval starts at a call's end) are not counted; ``sweep.steps`` rounds up to whole calls."""
+    per_call = sweep.steps_per_call
+    warmup = max(1, -(-sweep.warmup // per_call))
+    calls = warmup + -(-sweep.steps // per_call)
     ends, bubbles = [], []
-    for _ in trainer.train_steps((x, y, None) for _ in range(warmup + sweep.steps)):
-        ends.append(time.perf_counter())
-        bubbles.append(trainer.stats(reset=True)["bubble_fraction"])
-    return [later - earlier for earlier, later in zip(ends[warmup - 1 :], ends[warmup:])], bubbles[warmup:]
+    for i, _ in enumerate(trainer.train_steps(((x, y, None) for _ in range(calls * per_call)), steps_per_call=per_call)):
+        if i % per_call == 0:  # a call's steps arrive together: its first marks its end
+            ends.append(time.perf_counter())
+        if i % per_call == per_call - 1:
+            bubbles.append(trainer.stats(reset=True)["bubble_fraction"])
+    seconds = [(later - earlier) / per_call for earlier, later in zip(ends[warmup - 1 :], ends[warmup:])]
+    return seconds, bubbles[warmup:]
 
 
 def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, m: int, sweep: Sweep) -> dict[str, Any]:
@@ -296,7 +303,7 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
     progress(f"{sweep.label}{schedule} m={m}", summarize(seconds), sweep.unit)
     measured = per_step[sweep.warmup:]
     queued, queued_bubbles = queued_steps(trainer, x, y, sweep)
-    progress(f"{sweep.label}{schedule} m={m}, steps queued", summarize(queued), sweep.unit)
+    progress(f"{sweep.label}{schedule} m={m}, {sweep.steps_per_call} step(s) a call, queued", summarize(queued), sweep.unit)
     busy = [summarize(per_stage) for per_stage in zip(*(s["busy_seconds"] for s in measured))]
     run = {
         "schedule": schedule,
@@ -376,7 +383,7 @@ def layout_runs(
 def overhead_sweep(cfg: BenchPipelineConfig) -> Sweep:
     """The overhead case's points, the same for ours and native: every schedule x every m (sorted)."""
     microbatches = tuple(sorted(set(cfg.overhead_microbatches)))
-    return Sweep("overhead ", "ms", cfg.overhead_schedules, microbatches, OVERHEAD_WARMUP, cfg.overhead_steps)
+    return Sweep("overhead ", "ms", cfg.overhead_schedules, microbatches, OVERHEAD_WARMUP, cfg.overhead_steps, cfg.overhead_steps_per_call)
 
 
 def overhead_runs(cfg: BenchPipelineConfig) -> dict[str, Any]:
@@ -623,6 +630,7 @@ def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dic
         "stages": cfg.stages,
         "warmup": OVERHEAD_WARMUP,
         "steps": cfg.overhead_steps,
+        "steps_per_call": cfg.overhead_steps_per_call,
         "layouts": ours["layouts"],
         "runs": runs,
         "skipped": [{"side": side, **skip} for side, figures in (("ours", ours), ("native", native)) for skip in figures["skipped"]],

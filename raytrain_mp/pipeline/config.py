@@ -49,6 +49,10 @@ class PipelineConfig(TrainOptions):
     schedule: str = option("gpipe", "pipeline schedule (torch.distributed.pipelining's)", SCHEDULES)
     virtual_stages: int = option(1, "stages per Ray actor for the interleaved schedules: the model is cut into --stages x this")
     microbatches: int = option(4, "micro-batches per batch (m) of each replica; --replicas x m must divide --global-batch-size")
+    steps_per_call: int = option(
+        1, "optimizer steps each stage actor runs per Ray call (Keras's steps_per_execution): more shares the call's "
+        "cost between steps, for models whose step takes milliseconds"
+    )  # fmt: skip
     global_batch_size: int = option(64, "samples per optimizer step (all micro-batches)", aliases=("batch_size",))
     use_gpu: bool | None = option(None, "one GPU per stage (default: when the cluster has one for each stage)")
     cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
@@ -86,6 +90,7 @@ class PipelineConfig(TrainOptions):
         except UsageError as exc:
             raise as_flag_error(exc) from None
         check(self.cpus_per_stage >= 1, "cpus_per_stage", f"must be >= 1, got {self.cpus_per_stage}")
+        check(self.steps_per_call >= 1, "steps_per_call", f"must be >= 1, got {self.steps_per_call}")
         check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", f"must be > 0, got {self.clip_grad_norm}")
         if self.split_points is not None:
             parts = self.stages * self.virtual_stages

@@ -1,9 +1,9 @@
 """The ``raytrain-mp pipeline`` training run: epochs of pipelined steps over stage actors.
 
 Reads top to bottom like the DDP loop, but on the driver: data, model, restore, then epochs of
-(train with a per-step learning rate, evaluate, checkpoint). Each step is one call per stage
-actor, carrying its learning rate, and the next step is queued behind it
-(``PipelineTrainer.train_steps``), so the driver reads the next batch while the stages compute.
+(train with a per-step learning rate, evaluate, checkpoint). Each call to the stage actors runs
+``--steps-per-call`` steps, carrying their learning rates, and the next call is queued behind it
+(``PipelineTrainer.train_steps``), so the driver reads the next batches while the stages compute.
 Invariants:
 
 - Sample order is a pure function of (seed, epoch): a seeded permutation, full batches only, so a
@@ -277,7 +277,7 @@ def train_epochs(cfg, trainer, train, val, schedule, steps_per_epoch, start_epoc
         started = time.perf_counter()
         loss_sum = 0.0
         steps = epoch_steps(train, cfg.global_batch_size, cfg.seed, epoch, lambda step, epoch=epoch: schedule(epoch * steps_per_epoch + step))
-        for step, loss in enumerate(trainer.train_steps(steps)):
+        for step, loss in enumerate(trainer.train_steps(steps, steps_per_call=cfg.steps_per_call)):
             loss_sum += loss
             if cfg.log_every and (step + 1) % cfg.log_every == 0:
                 print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} loss {loss_sum / (step + 1):.4f}", flush=True)

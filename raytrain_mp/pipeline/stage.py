@@ -387,6 +387,27 @@ class StageWorker:
         loss = float(sum(loss.item() for loss in losses)) if self.holds_last else None
         return loss, busy, time.perf_counter() - called
 
+    def train_steps(
+        self,
+        schedule: str,
+        num_microbatches: int,
+        microbatch_shape: tuple[int, ...],
+        inputs: Sequence[Tensor] | None,
+        targets: Sequence[Tensor] | None,
+        max_norm: float | None,
+        lrs: Sequence[float | None],
+    ) -> list[tuple[float | None, float, float]]:
+        """``train_step`` for each of the call's steps in order (one Ray call for several steps:
+        the ranks stay in step with each other between them); ``inputs``/``targets`` hold a batch
+        per step on the ranks that take them."""
+        return [
+            self.train_step(
+                schedule, num_microbatches, microbatch_shape, inputs[i] if inputs is not None else None,
+                targets[i] if targets is not None else None, max_norm, lr,
+            )  # fmt: skip
+            for i, lr in enumerate(lrs)
+        ]
+
     def _clip(self, max_norm: float) -> None:
         """Scale the gradients as ``clip_grad_norm_`` would over the parameters of every stage (after the
         replicas' gradients are summed, so over this replica's pipeline ranks)."""

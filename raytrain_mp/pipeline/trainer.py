@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections import deque
@@ -70,7 +71,8 @@ _FAILURE_GRACE_S = 5.0
 
 class StageFailedError(RuntimeError):
     """A stage actor died or raised; ``stage`` is its index (from 0), ``replica`` its replica (None
-    with a single one), ``step`` the train step (from 1) it failed in, or None outside ``train_step``."""
+    with a single one), ``step`` the train step (from 1) it failed in (with several steps a call,
+    the first of the call's), or None outside ``train_step``."""
 
     def __init__(
         self, stage: int, num_stages: int, step: int | None, cause: BaseException, replica: int | None = None
@@ -395,63 +397,85 @@ class PipelineTrainer:
     def train_step(self, inputs: Tensor, targets: Tensor, lr: float | None = None) -> float:
         """One optimizer step on the batch (at learning rate ``lr`` when given); returns the batch
         mean cross-entropy loss."""
-        return self._finish_step(*self._submit_step(inputs, targets, lr))
+        (loss,) = self.train_steps([(inputs, targets, lr)], ahead=0)
+        return loss
 
-    def train_steps(self, batches: Iterable[tuple[Tensor, Tensor, float | None]], ahead: int = 1) -> Iterator[float]:
-        """``train_step`` over ``(inputs, targets, lr)`` batches, yielding each step's loss in order,
-        with up to ``ahead`` steps queued on the actors behind the running one. The actors run
-        their calls in order, so the steps are those of ``train_step`` one by one; what changes is
-        that a step's Ray call, and the driver's reading of the next batch, happen while the
-        previous step computes. Every submitted step runs: closing the iterator early still
-        waits for the queued ones."""
-        queued: deque[tuple[int, list[tuple[int, ray.ObjectRef]], float]] = deque()
+    def train_steps(
+        self, batches: Iterable[tuple[Tensor, Tensor, float | None]], ahead: int = 1, steps_per_call: int = 1
+    ) -> Iterator[float]:
+        """``train_step`` over ``(inputs, targets, lr)`` batches, yielding each step's loss in order.
+
+        ``steps_per_call`` consecutive steps go to the actors in one call each (Keras's
+        ``steps_per_execution``): the Ray call's cost is shared by those steps. Up to ``ahead``
+        calls wait on the actors behind the running one: a call, and the driver's reading of the
+        next batches, happen while the steps before them compute. The actors run their calls in
+        order, so the steps are those of ``train_step`` one by one. Every submitted step runs:
+        closing the iterator early still waits for the queued ones."""
+        if steps_per_call < 1 or ahead < 0:
+            raise UsageError(f"steps_per_call must be >= 1 and ahead >= 0, got {steps_per_call} and {ahead}")
+        batches = iter(batches)
+        queued: deque[tuple[int, list[tuple[int, ray.ObjectRef]], float, int]] = deque()
         try:
-            for inputs, targets, lr in batches:
-                queued.append(self._submit_step(inputs, targets, lr))
+            while chunk := list(itertools.islice(batches, steps_per_call)):
+                queued.append(self._submit(chunk))
                 if len(queued) > ahead:
-                    yield self._finish_step(*queued.popleft())
+                    yield from self._finish(*queued.popleft())
             while queued:
-                yield self._finish_step(*queued.popleft())
+                yield from self._finish(*queued.popleft())
         finally:
             while queued and self._actors:  # after a failure the actors are gone and nothing is left to wait for
-                self._finish_step(*queued.popleft())
+                self._finish(*queued.popleft())
 
-    def _submit_step(self, inputs: Tensor, targets: Tensor, lr: float | None) -> tuple[int, list[tuple[int, ray.ObjectRef]], float]:
-        """Check the batch and hand each rank its share of the step: (step number, refs, when)."""
-        batch, m = len(inputs), self.num_microbatches
-        check_microbatches(m, batch)
-        if batch % m:
-            raise UsageError(
-                f"num_microbatches: {m} micro-batches do not divide a batch of {batch} samples; "
-                "torch's pipeline runtime needs micro-batches of equal size"
-            )
-        check_replicas(self.num_replicas, batch, m)
-        if len(targets) != batch:
-            raise UsageError(f"targets: {len(targets)} targets for {batch} inputs")
+    def _submit(self, chunk: list[tuple[Tensor, Tensor, float | None]]) -> tuple[int, list[tuple[int, ray.ObjectRef]], float, int]:
+        """Check the batches and hand each rank its share of the steps in one call: (first step
+        number, refs, when, steps)."""
+        m = self.num_microbatches
+        shapes = {tuple(inputs.shape) for inputs, _, _ in chunk}
+        if len(shapes) > 1:
+            raise UsageError(f"inputs: the batches of one call must have one shape, got {sorted(shapes)}")
+        for inputs, targets, _ in chunk:
+            batch = len(inputs)
+            check_microbatches(m, batch)
+            if batch % m:
+                raise UsageError(
+                    f"num_microbatches: {m} micro-batches do not divide a batch of {batch} samples; "
+                    "torch's pipeline runtime needs micro-batches of equal size"
+                )
+            check_replicas(self.num_replicas, batch, m)
+            if len(targets) != batch:
+                raise UsageError(f"targets: {len(targets)} targets for {batch} inputs")
+        inputs = chunk[0][0]
+        shape = (len(inputs) // (self.num_replicas * m), *inputs.shape[1:])
+        shares = [replica_shares(x, y, self.num_replicas) for x, y, _ in chunk]  # per step, per replica
+        lrs = [lr for _, _, lr in chunk]
         submitted = time.perf_counter()
         last = self.num_stages - 1
-        shape = (batch // (self.num_replicas * m), *inputs.shape[1:])
         refs = [
-            (global_rank(replica, rank, self.num_stages), self.actor(rank, replica).train_step.remote(
-                self.schedule, m, shape, x if rank == 0 else None, y if rank == last else None, self.clip_grad_norm, lr,
+            (global_rank(replica, rank, self.num_stages), self.actor(rank, replica).train_steps.remote(
+                self.schedule, m, shape, [step[replica][0] for step in shares] if rank == 0 else None,
+                [step[replica][1] for step in shares] if rank == last else None, self.clip_grad_norm, lrs,
             ))
-            for replica, (x, y) in enumerate(replica_shares(inputs, targets, self.num_replicas))
+            for replica in range(self.num_replicas)
             for rank in range(self.num_stages)
         ]  # fmt: skip
-        self._queued += 1
-        return self.steps_done + self._queued, refs, submitted
+        first = self.steps_done + self._queued + 1
+        self._queued += len(chunk)
+        return first, refs, submitted, len(chunk)
 
-    def _finish_step(self, step: int, refs: list[tuple[int, ray.ObjectRef]], submitted: float) -> float:
-        """Wait for a submitted step; its time counts from when the ranks could start it: its
-        submission, or the end of the step before it when that came later (a queued step)."""
-        results = self._gather(refs, step)
+    def _finish(self, first: int, refs: list[tuple[int, ray.ObjectRef]], submitted: float, steps: int) -> list[float]:
+        """Wait for a submitted call and return its steps' losses. Its time counts from when the
+        ranks could start it (its submission, or the end of the call before it when that came
+        later), shared evenly by its steps."""
+        results = self._gather(refs, first)  # per actor, a (loss, busy, took) per step
         now = time.perf_counter()
-        self._record(now - max(submitted, self._last_finish), [busy for _, busy, _ in results], max(took for *_, took in results))
+        wall = (now - max(submitted, self._last_finish)) / steps
+        for i in range(steps):
+            self._record(wall, [actor[i][1] for actor in results], max(actor[i][2] for actor in results))
         self._last_finish = now
-        self._queued -= 1
-        self.steps_done = step
+        self._queued -= steps
+        self.steps_done = first + steps - 1
         # Each replica's last rank returns its share of the global batch mean.
-        return sum(loss for loss, _, _ in results[self.num_stages - 1 :: self.num_stages])
+        return [sum(actor[i][0] for actor in results[self.num_stages - 1 :: self.num_stages]) for i in range(steps)]
 
     def predict(self, inputs: Tensor) -> Tensor:
         """Eval-mode outputs (logits) for ``inputs``, in micro-batches through replica 0's stages."""

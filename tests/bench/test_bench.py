@@ -127,8 +127,8 @@ def assert_overhead(results: dict, printed: dict) -> None:
     """The overhead case ran the 3-layer MLP on 2 stages, ours and native at every m the schedule
     allows, and compares them point by point and at m=8 in the summary."""
     overhead = results["overhead"]
-    assert set(overhead) == {"model", "batch_size", "stages", "warmup", "steps", "layouts", "runs", "skipped", "native"}
-    assert (overhead["batch_size"], overhead["stages"], overhead["steps"]) == (64, 2, 2)
+    assert set(overhead) == {"model", "batch_size", "stages", "warmup", "steps", "steps_per_call", "layouts", "runs", "skipped", "native"}
+    assert (overhead["batch_size"], overhead["stages"], overhead["steps"], overhead["steps_per_call"]) == (64, 2, 2, 8)
     # 4 Linear layers, so that 2 stages x 2 virtual stages get one each
     assert overhead["layouts"] == [
         {"virtual_stages": 1, "split_points": ["4+5"], "schedules": ["gpipe", "1f1b"]},

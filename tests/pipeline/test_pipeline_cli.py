@@ -40,6 +40,7 @@ def tiny_data(tmp_path_factory) -> str:
         (["--precision", "fp16"], ["--precision", "invalid choice: 'fp16'"]),
         (["--global-batch-size", "500"], ["--global-batch-size 500 exceeds the 160 training samples"]),
         (["--replicas", "0"], ["--replicas: must be >= 1, got 0"]),
+        (["--steps-per-call", "0"], ["--steps-per-call: must be >= 1, got 0"]),
         (["--replicas", "3"], ["--replicas: 3 replicas x --microbatches 4 must divide --global-batch-size 32 into equal micro-batches, got 3"]),
     ],
 )
@@ -75,7 +76,8 @@ def fp64_runs(ray_session, tiny_data, tmp_path_factory):
             "--microbatches", "4", "--schedule", "1f1b", "--epochs", "2", "--precision", "fp64",
             "--balance", "params", "--storage-path", storage, "--log-every", "0"]  # fmt: skip
     plain = run_cli_json(*args, "--name", "plain")
-    killed = run_cli_json(*args, "--name", "killed", "--max-failures", "1", "--inject-fault", f"1:1:{marker}")
+    # 3 steps a Ray call: the killed run must still equal the plain one, step by step
+    killed = run_cli_json(*args, "--name", "killed", "--max-failures", "1", "--inject-fault", f"1:1:{marker}", "--steps-per-call", "3")
     return plain, killed, marker
 
 

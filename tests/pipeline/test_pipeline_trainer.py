@@ -142,8 +142,8 @@ class TestAgainstGradientAccumulation:
         trainer.load_optimizer_state_dicts(pipeline.initial_optimizer_states)
         trainer.set_schedule(schedule, m)
         batches = list(zip(_batches(pipeline.dtype, steps), LRS))
-        if m == 5:  # the run loop's way: each step's lr in its own call, two steps queued behind the running one
-            losses = list(trainer.train_steps(((x, y, lr) for (x, y), lr in batches), ahead=2))
+        if m == 5:  # the run loop's way: steps and their lrs 2 to a call (then 1), the second call queued
+            losses = list(trainer.train_steps(((x, y, lr) for (x, y), lr in batches), ahead=1, steps_per_call=2))
         else:  # a step at a time, the lr set by its own call
             losses = []
             for (x, y), lr in batches:
