@@ -95,6 +95,7 @@ def auth_mode_after_probe(address: str, env: dict[str, str]) -> str:
         "import os, sys\nfrom raytrain_mp.cluster import use_token_if_the_cluster_asks\n"
         "use_token_if_the_cluster_asks(sys.argv[1])\nprint(os.environ.get('RAY_AUTH_MODE', ''))\n"
     )
+    env = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}  # the probe decides only where the user did not
     done = subprocess.run([sys.executable, "-c", code, address], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
     return done.stdout.strip()

@@ -36,8 +36,11 @@ cluster.shutdown()
 
 
 def driver_env() -> dict[str, str]:
-    """This environment without RAY_ADDRESS: the commands join the cluster by ``--address``."""
-    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    """This environment without RAY_ADDRESS (the commands join the cluster by ``--address``) and
+    without RAY_AUTH_MODE: a local ``ray.init`` earlier in the session sets it in this process when
+    ~/.ray/auth_token exists, and the cluster runs without token authentication, so the commands
+    must find that out themselves (``cluster.use_token_if_the_cluster_asks``)."""
+    return {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
 
 
 class SimulatedCluster:

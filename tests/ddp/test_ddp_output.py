@@ -16,7 +16,7 @@ import pytest
 # Every line the tool itself prints on a successful run.
 OWN_LINES = [
     r"local Ray started; dashboard at http://127\.0\.0\.1:\d+",
-    r"\d+ workers? on \d+ nodes?",
+    r"\d+ workers? on \d+ nodes? from step \d+",
     r"epoch \d+/\d+ train_loss \S+ val_loss \S+ val_accuracy \S+ samples/s \S+ lr \S+",
     r"epoch \d+ step \d+/\d+ loss \S+",
     r"ddp training finished",
