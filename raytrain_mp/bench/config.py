@@ -102,6 +102,10 @@ class BenchPipelineConfig:
         8, "overhead case: steps per Ray call when the steps are queued as the run loop queues them (pipeline --steps-per-call)",
         group="benchmark",
     )  # fmt: skip
+    overhead_rounds: int = option(
+        3, "overhead case: rounds of ours then native, pooled (drift of a shared machine's speed then hits both alike)",
+        group="benchmark",
+    )  # fmt: skip
     hybrid: bool = option(True, "also time data x pipeline layouts of --hybrid-workers actors: --replicas R x --stages S = k")
     hybrid_workers: int = option(2, "hybrid case: stage actors k of every layout (R=k S=1 data parallel ... R=1 S=k pipeline)")
     hybrid_microbatches: int = option(4, "hybrid case: micro-batches of a whole step (R x m), the same in every layout")
@@ -138,6 +142,7 @@ class BenchPipelineConfig:
         )
         check(self.overhead_steps >= 1, "overhead_steps", f"must be >= 1, got {self.overhead_steps}")
         check(self.overhead_steps_per_call >= 1, "overhead_steps_per_call", f"must be >= 1, got {self.overhead_steps_per_call}")
+        check(self.overhead_rounds >= 1, "overhead_rounds", f"must be >= 1, got {self.overhead_rounds}")
         check(self.hybrid_workers >= 1, "hybrid_workers", f"must be >= 1, got {self.hybrid_workers}")
         check(
             self.hybrid_microbatches % self.hybrid_workers == 0 and self.global_batch_size % self.hybrid_microbatches == 0,

@@ -26,14 +26,15 @@ overhead case):
   (``seeded_mlp``: 32 features, 64 hidden, 10 classes, 3 Linear layers, one pipeline block each;
   more when stages x virtual stages need more), batch ``--overhead-batch-size``, cut evenly into
   ``--stages`` stages, ours (``PipelineTrainer``, ``virtual_stages=2`` for
-  the interleaved schedules) and native (a second case in the same torchrun) over
+  the interleaved schedules) and native (its own torchrun) over
   ``--overhead-schedules`` x ``--overhead-microbatches``, ``--overhead-steps`` timed steps after
-  ``OVERHEAD_WARMUP`` untimed ones. ``results["overhead"]["runs"]`` holds per (schedule, m) ours'
+  ``OVERHEAD_WARMUP`` untimed ones, in ``--overhead-rounds`` rounds of ours then native whose
+  steps are pooled (``overhead_rounds``). ``results["overhead"]["runs"]`` holds per (schedule, m) ours'
   and native milliseconds per step, ``ours_in_ranks_ms`` (the part of ours spent inside the stage
   actors, ``PipelineTrainer.stats``: what is left is the Ray call per step), ``ours_queued_ms``
   (as the run loop trains: ``--overhead-steps-per-call`` steps a Ray call, the next call queued
   behind the running one, ``queued_step_seconds``; the ResNet figures queue one step a call), ``native_over_ours`` (and ``native_over_ours_in_ranks``,
-  ``native_over_ours_queued``) (native median / ours; >= 1: ours is at least as fast), ours' measured bubble fraction and, where it has one, the schedule's ideal bubble
+  ``native_over_ours_queued``, and ``native_over_ours_queued_by_round``) (native median / ours; >= 1: ours is at least as fast), ours' measured bubble fraction and, where it has one, the schedule's ideal bubble
   (``schedule.ideal_bubble``: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved);
   ``summary.overhead_native_over_ours`` (and ``..._queued``) is that ratio per schedule at m=8;
   ``overhead.png`` plots milliseconds per step against m.
@@ -305,15 +306,19 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
     queued, queued_bubbles = queued_steps(trainer, x, y, sweep)
     progress(f"{sweep.label}{schedule} m={m}, {sweep.steps_per_call} step(s) a call, queued", summarize(queued), sweep.unit)
     busy = [summarize(per_stage) for per_stage in zip(*(s["busy_seconds"] for s in measured))]
+    samples = {
+        "step_seconds": seconds,
+        "queued_step_seconds": queued,
+        "bubble_fraction": [s["bubble_fraction"] for s in measured],
+        "queued_bubble_fraction": queued_bubbles,
+        "rank_step_seconds": [s["rank_seconds_per_step"] for s in measured],
+    }
     run = {
         "schedule": schedule,
         "microbatches": m,
-        "step_seconds": summarize(seconds),
-        "queued_step_seconds": summarize(queued),
+        **{figure: summarize(values) for figure, values in samples.items()},
         "busy_seconds": busy,
-        "bubble_fraction": summarize([s["bubble_fraction"] for s in measured]),
-        "queued_bubble_fraction": summarize(queued_bubbles),
-        "rank_step_seconds": summarize([s["rank_seconds_per_step"] for s in measured]),
+        "samples": samples,
     }
     # With replicas, busy has one entry per actor; the formulas are about one pipeline (replica 0's).
     if schedule in FORMULA_SCHEDULES:
@@ -395,12 +400,14 @@ def overhead_runs(cfg: BenchPipelineConfig) -> dict[str, Any]:
     for virtual in dict.fromkeys(virtual_stages(s) for s in cfg.overhead_schedules):
         schedules = tuple(s for s in cfg.overhead_schedules if virtual_stages(s) == virtual)
         points, _ = even_cut(model, cfg.stages * virtual)
-        layouts.append({"virtual_stages": virtual, "split_points": points, "schedules": list(schedules)})
         trainer = PipelineTrainer(
             model, num_stages=cfg.stages, split_points=points, schedule=schedules[0], num_microbatches=max(cfg.overhead_microbatches),
             optimizer="sgd", lr=LR, momentum=MOMENTUM, weight_decay=0.0, use_gpu=cfg.use_gpu, cpus_per_stage=cfg.cpus_per_stage,
             virtual_stages=virtual,
         )  # fmt: skip
+        layouts.append(
+            {"virtual_stages": virtual, "split_points": points, "schedules": list(schedules), "stage_niceness": trainer.niceness}
+        )
         try:
             print(f"overhead case: {len(points) + 1}-chunk MLP on {cfg.stages} stages, cut before {', '.join(points)}", flush=True)
             done, refused = sweep_runs(trainer, x, y, dataclasses.replace(overhead_sweep(cfg), schedules=schedules))
@@ -442,58 +449,93 @@ def hybrid_seconds(hybrid: dict[str, Any]) -> dict[str, float]:
     return {f"R{run['replicas']}xS{run['stages']}": run["step_seconds"]["median"] for run in hybrid["runs"]}
 
 
-def native_settings(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """What ``bench.pipeline_native`` needs (plain values, it travels as JSON): the threads, and per
-    case (``resnet``; ``overhead`` when it is on) the name and arguments of its seeded setup
-    function, the stages' block names and the sweep with its timing."""
-    resnet = Sweep("", "s", ("gpipe", "1f1b"), tuple(sorted(cfg.microbatches)), cfg.warmup, cfg.steps)
-    cases = {
-        "resnet": {
-            "setup": "seeded_setup",
-            "arguments": {"model_name": cfg.model, "num_classes": cfg.num_classes, "image_size": cfg.image_size,
-                          "batch_size": cfg.global_batch_size, "seed": cfg.seed},
-            "chunk_blocks": {"1": [list(stage["blocks"]) for stage in plan]},
-            **dataclasses.asdict(resnet),
-        },
+def resnet_case(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The native ranks' ResNet case (plain values, it travels as JSON): the name and arguments of
+    its seeded setup function, the stages' block names of ``plan`` and the sweep with its timing."""
+    sweep = Sweep("", "s", ("gpipe", "1f1b"), tuple(sorted(cfg.microbatches)), cfg.warmup, cfg.steps)
+    return {
+        "setup": "seeded_setup",
+        "arguments": {"model_name": cfg.model, "num_classes": cfg.num_classes, "image_size": cfg.image_size,
+                      "batch_size": cfg.global_batch_size, "seed": cfg.seed},
+        "chunk_blocks": {"1": [list(stage["blocks"]) for stage in plan]},
+        **dataclasses.asdict(sweep),
     }  # fmt: skip
-    if cfg.overhead:
-        arguments = {"layers": mlp_layers(cfg), "batch_size": cfg.overhead_batch_size, "seed": cfg.seed}
-        cases["overhead"] = {
-            "setup": "seeded_mlp",
-            "arguments": arguments,
-            # per virtual-stage count (a JSON key is a string): the model's chunks in pipeline order
-            "chunk_blocks": {
-                str(virtual): even_cut(seeded_mlp(**arguments)[0], cfg.stages * virtual)[1]
-                for virtual in dict.fromkeys(virtual_stages(s) for s in cfg.overhead_schedules)
-            },
-            **dataclasses.asdict(overhead_sweep(cfg)),
-        }
-    return {"threads": cfg.cpus_per_stage, "use_gpu": cfg.use_gpu, "cases": cases}
 
 
-def native_runs(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """GPipe and 1F1B of ``torch.distributed.pipelining`` in one torchrun, one rank per stage: on
-    the stages of ``plan`` and, when the overhead case is on, on the MLP's; raises
-    ``RuntimeError`` when torchrun fails. Returns (resnet figures, overhead figures or None)."""
+def overhead_case(cfg: BenchPipelineConfig) -> dict[str, Any]:
+    """The native ranks' overhead case: the seeded MLP cut as ours is, per virtual-stage count."""
+    arguments = {"layers": mlp_layers(cfg), "batch_size": cfg.overhead_batch_size, "seed": cfg.seed}
+    return {
+        "setup": "seeded_mlp",
+        "arguments": arguments,
+        # per virtual-stage count (a JSON key is a string): the model's chunks in pipeline order
+        "chunk_blocks": {
+            str(virtual): even_cut(seeded_mlp(**arguments)[0], cfg.stages * virtual)[1]
+            for virtual in dict.fromkeys(virtual_stages(s) for s in cfg.overhead_schedules)
+        },
+        **dataclasses.asdict(overhead_sweep(cfg)),
+    }
+
+
+def native_runs(cfg: BenchPipelineConfig, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The ``cases`` (``resnet_case``, ``overhead_case``) of ``torch.distributed.pipelining`` in one
+    torchrun, one rank per stage; raises ``RuntimeError`` when torchrun fails. The figures of
+    each case by name, with what ran them (api, launcher, backend, device, world, threads)."""
     what = f"torch.distributed.pipelining benchmark (torchrun, {cfg.stages} ranks)"
-    settings = native_settings(cfg, plan)
+    settings = {"threads": cfg.cpus_per_stage, "use_gpu": cfg.use_gpu, "cases": cases}
     native = torchrun("raytrain_mp.bench.pipeline_native", cfg.stages, settings, cfg.cpus_per_stage, what)
-    cases = native.pop("cases")
-    for name, case in cases.items():
-        label, unit = settings["cases"][name]["label"], settings["cases"][name]["unit"]
+    described = {
+        "api": "torch.distributed.pipelining: PipelineStage + ScheduleGPipe / Schedule1F1B",
+        "launcher": f"torchrun --standalone --nproc-per-node {cfg.stages}",
+        **{key: value for key, value in native.items() if key != "cases"},
+    }
+    figures = {}
+    for name, case in native["cases"].items():
+        label, unit = cases[name]["label"], cases[name]["unit"]
         for run in case["runs"]:
             progress(f"{label}native {run['schedule']} m={run['microbatches']}", run["step_seconds"], unit)
         for skip in case["skipped"]:
             print(f"{label}native {skip['schedule']} m={skip['microbatches']}: skipped, {skip['reason']}", flush=True)
-    for run in cases["resnet"]["runs"]:
+        figures[name] = {**described, **case}
+    return figures
+
+
+def native_resnet(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``results["native"]``: torch's GPipe and 1F1B on the stages of ``plan`` (the seeds' split)."""
+    native = native_runs(cfg, {"resnet": resnet_case(cfg, plan)})["resnet"]
+    for run in native["runs"]:
         run["samples_per_second"] = cfg.global_batch_size / run["step_seconds"]["median"]
-    described = {
-        "api": "torch.distributed.pipelining: PipelineStage + ScheduleGPipe / Schedule1F1B",
-        "launcher": f"torchrun --standalone --nproc-per-node {cfg.stages}",
-        **native,
-    }
-    overhead = {**described, **cases["overhead"]} if "overhead" in cases else None
-    return {**described, "split": "fixed", **cases["resnet"]}, overhead
+    return {**native, "split": "fixed"}
+
+
+def pooled(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The runs of several rounds of one sweep (the same points in the same order) as one: per
+    point, each figure of its ``samples`` pooled over the rounds and summarized, and its per-round
+    medians under ``round_medians``."""
+    runs = []
+    for same in zip(*rounds, strict=True):
+        samples = {figure: [value for run in same for value in run["samples"][figure]] for figure in same[0]["samples"]}
+        point = {key: same[0][key] for key in ("schedule", "microbatches", "virtual_stages", "bubble_formula") if key in same[0]}
+        runs.append({
+            **point, **{figure: summarize(values) for figure, values in samples.items()},
+            "round_medians": {figure: [run[figure]["median"] for run in same] for figure in samples},
+        })  # fmt: skip
+    return runs
+
+
+def overhead_rounds(cfg: BenchPipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ours, native) on the overhead case, ``--overhead-rounds`` times in turn (ours, then
+    native), each side's rounds ``pooled``: the two sides alternate within a minute or two, so a
+    shared machine's drift in speed falls on both."""
+    ours, native = [], []
+    for round_ in range(cfg.overhead_rounds):
+        print(f"overhead case, round {round_ + 1} of {cfg.overhead_rounds}", flush=True)
+        ours.append(overhead_runs(cfg))
+        native.append(native_runs(cfg, {"overhead": overhead_case(cfg)})["overhead"])
+    return (
+        {**ours[0], "runs": pooled([side["runs"] for side in ours])},
+        {**native[0], "runs": pooled([side["runs"] for side in native])},
+    )
 
 
 def find_run(layout: dict[str, Any], schedule: str, m: int) -> dict[str, Any] | None:
@@ -622,6 +664,11 @@ def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dic
             entry["native_over_ours"] = peer["step_seconds"]["median"] / run["step_seconds"]["median"]
             entry["native_over_ours_in_ranks"] = peer["step_seconds"]["median"] / run["rank_step_seconds"]["median"]
             entry["native_over_ours_queued"] = peer["step_seconds"]["median"] / run["queued_step_seconds"]["median"]
+            # round by round: how far the pooled ratio could move with the machine's drift
+            entry["native_over_ours_queued_by_round"] = [
+                theirs / queued
+                for theirs, queued in zip(peer["round_medians"]["step_seconds"], run["round_medians"]["queued_step_seconds"])
+            ]
         runs.append(entry)
     layers = mlp_layers(cfg)
     return {
@@ -631,6 +678,7 @@ def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dic
         "warmup": OVERHEAD_WARMUP,
         "steps": cfg.overhead_steps,
         "steps_per_call": cfg.overhead_steps_per_call,
+        "rounds": cfg.overhead_rounds,
         "layouts": ours["layouts"],
         "runs": runs,
         "skipped": [{"side": side, **skip} for side, figures in (("ours", ours), ("native", native)) for skip in figures["skipped"]],
@@ -672,9 +720,9 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
 
     local = in_fresh_process(one_process, cfg, model, x, y)
     layouts = {"fixed": layout_runs(cfg, model, x, y, cfg.split_points, cfg.sweep)}
-    ours_overhead = overhead_runs(cfg) if cfg.overhead else None
+    native = native_resnet(cfg, layouts["fixed"]["plan"])  # right after ours on the same split
+    overhead = overhead_rounds(cfg) if cfg.overhead else None
     hybrid = hybrid_runs(cfg, model, x, y) if cfg.hybrid else None
-    native, native_overhead = native_runs(cfg, layouts["fixed"]["plan"])
     if cfg.balanced:
         layouts["balanced"] = layout_runs(cfg, model, x, y, None, sorted(cfg.microbatches), schedules=("gpipe",))
     if cfg.interleaved:
@@ -696,8 +744,8 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
         "native": native,
         "summary": summary(local, layouts, native),
     }
-    if ours_overhead is not None and native_overhead is not None:
-        results["overhead"] = overhead_section(cfg, ours_overhead, native_overhead)
+    if overhead is not None:
+        results["overhead"] = overhead_section(cfg, *overhead)
         results["summary"]["overhead_native_over_ours"] = overhead_ratios(results["overhead"])
         results["summary"]["overhead_native_over_ours_queued"] = overhead_ratios(results["overhead"], "native_over_ours_queued")
         plots.append(out / "overhead.png")

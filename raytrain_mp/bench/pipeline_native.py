@@ -2,13 +2,15 @@
 
 Job: join the process group torchrun describes (NCCL with one GPU per rank when the settings'
 ``use_gpu`` says so, gloo on CPUs otherwise) and, for each case of the settings in turn (``resnet``: the
-seeds'-split layout's stages; ``overhead``: the tiny MLP of the overhead case), build the same
+seeds'-split layout's stages, ``bench.pipeline.resnet_case``; ``overhead``: the tiny MLP of the
+overhead case, ``overhead_case``), build the same
 seeded model and batch as ``bench.pipeline`` (the case names ``seeded_setup`` or ``seeded_mlp``
 and its arguments), take this rank's stage of the case's block names (``stage_modules``), wrap it
 in ``PipelineStage`` and time one training step (``schedule.step``, then SGD with
 ``bench.pipeline``'s lr and momentum) under ``ScheduleGPipe``, ``Schedule1F1B`` and, with the
 model cut into ranks x 2 chunks of which rank r holds r and r + ranks, ``ScheduleInterleaved1F1B``
-and ``ScheduleInterleavedZeroBubble``, for every (schedule, m) of the case's sweep; rank 0 writes the figures of every case as JSON. Run as
+and ``ScheduleInterleavedZeroBubble``, for every (schedule, m) of the case's sweep; rank 0 writes the figures of every case as JSON (each run's timed steps under
+``samples``, so that rounds can be pooled). Run as
 ``python -m torch.distributed.run --standalone --nproc-per-node STAGES -m
 raytrain_mp.bench.pipeline_native --settings JSON --result PATH`` (``bench.common.torchrun``).
 
@@ -100,13 +102,13 @@ def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -
                 dist.barrier()
 
             seconds = timed(step, case["warmup"], case["steps"])
-            runs.append({"schedule": name, "microbatches": m, "step_seconds": summarize(seconds)})
+            runs.append({"schedule": name, "microbatches": m, "step_seconds": summarize(seconds), "samples": {"step_seconds": seconds}})
     return {"runs": runs, "skipped": skipped}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help="bench.pipeline.native_settings() as JSON")
+    parser.add_argument("--settings", required=True, help="threads, use_gpu and cases (bench.pipeline.native_runs) as JSON")
     parser.add_argument("--result", required=True, help="where rank 0 writes its figures")
     args = parser.parse_args(argv)
     settings = json.loads(args.settings)

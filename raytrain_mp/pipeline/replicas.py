@@ -20,7 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from torch import Tensor
 

@@ -7,6 +7,13 @@ exchange activations and gradients point to point. ``StageWorker`` is a plain cl
 wraps it with ``ray.remote`` (``num_gpus=1``: Ray sets ``CUDA_VISIBLE_DEVICES`` and the rank uses
 its single visible GPU; otherwise ``num_cpus`` slots, and torch gets exactly that many threads).
 
+A rank runs at niceness 0, where a torchrun rank runs, not at the 15 Ray gives its workers
+(``RAY_worker_niceness``, so that Ray's daemons stay responsive): every rank is on the other ranks'
+critical path, and each time the OS prefers another process (a Ray daemon, the driver, a
+neighbour) over one rank, every rank waits for it. Lowering niceness needs CAP_SYS_NICE or
+an RLIMIT_NICE that allows it; where neither is given the rank keeps Ray's niceness
+(``StageWorker.niceness`` says which; start the cluster with ``RAY_worker_niceness=0`` instead).
+
 With ``virtual_stages`` V the model is cut into ``num_ranks * V`` stages and rank r holds stages
 r, r + num_ranks, ... (torch's interleaved layout); with V = 1 a rank holds one stage.
 
@@ -42,6 +49,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -139,6 +147,15 @@ def configure_device(use_gpu: bool, num_cpus: int) -> torch.device:
     return torch.device("cpu")
 
 
+def run_at_normal_niceness() -> None:
+    """Ask the OS for niceness 0 on the calling thread (on Linux niceness is per thread, and the
+    threads it starts later inherit it)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except PermissionError:  # no CAP_SYS_NICE: stay at the niceness Ray gave the worker
+        pass
+
+
 def profile_on_stage_device(
     model: nn.Module, blocks: list[Block], sample: Tensor, use_gpu: bool, num_cpus: int, autocast_bf16: bool
 ) -> list[float]:
@@ -187,6 +204,9 @@ class StageWorker:
 
     def __init__(self, modules: Sequence[nn.Module], config: StageConfig) -> None:
         self.config = config
+        # Before torch and gloo start their threads, so that they inherit it; a synchronous actor
+        # runs every call on the thread that ran its constructor.
+        run_at_normal_niceness()
         self.device = configure_device(config.use_gpu, config.num_cpus)
         if config.deferred_bn:
             modules = [convert_deferred_batchnorm(module) for module in modules]
@@ -215,6 +235,10 @@ class StageWorker:
     def ready(self) -> str:
         """The rank's device, once construction has finished."""
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
+
+    def niceness(self) -> int:
+        """The niceness of the thread that runs this rank's calls (0 unless the OS refused)."""
+        return os.getpriority(os.PRIO_PROCESS, 0)
 
     def host_store(self) -> tuple[str, int]:
         """(Rank 0) start the process group's key-value store on a free port of this node; its address."""

@@ -311,6 +311,7 @@ class PipelineTrainer:
                     options = self._placement(rank, cpus_per_stage, replica)
                     self._actors.append(actor_class.options(**options).remote(modules, config))
             self.devices: list[str] = self._call_all("ready")  # per actor, replica-major
+            self.niceness: list[int] = self._call_all("niceness")  # per actor, replica-major
             host, port = self._gather([(0, self.actor(0).host_store.remote())], step=None)[0]
             self._call_all("join_group", host, port)
             self.nodes: list[str] = [  # Ray node id per actor, replica-major
