@@ -97,7 +97,7 @@ class BenchPipelineConfig:
     overhead_schedules: tuple[str, ...] = option(
         SCHEDULES, f"overhead case: schedules to sweep (interleaved ones with 2 stages per actor), of {', '.join(SCHEDULES)}", group="benchmark"
     )
-    overhead_steps: int = option(20, "overhead case: timed steps per figure (after a few untimed ones)", group="benchmark")
+    overhead_steps: int = option(40, "overhead case: timed steps per figure and round (after a few untimed ones)", group="benchmark")
     overhead_steps_per_call: int = option(
         8, "overhead case: steps per Ray call when the steps are queued as the run loop queues them (pipeline --steps-per-call)",
         group="benchmark",

@@ -33,7 +33,9 @@ overhead case):
   and native milliseconds per step, ``ours_in_ranks_ms`` (the part of ours spent inside the stage
   actors, ``PipelineTrainer.stats``: what is left is the Ray call per step), ``ours_queued_ms``
   (as the run loop trains: ``--overhead-steps-per-call`` steps a Ray call, the next call queued
-  behind the running one, ``queued_step_seconds``; the ResNet figures queue one step a call), ``native_over_ours`` (and ``native_over_ours_in_ranks``,
+  behind the running one, ``queued_step_seconds``; the ResNet figures queue one step a call),
+  ``native_queued_ms`` (torch's steps back to back in groups of as many, one barrier a group: the
+  same mean over a call's steps that ours' queued figure is), ``native_over_ours`` (and ``native_over_ours_in_ranks``,
   ``native_over_ours_queued``, and ``native_over_ours_queued_by_round``) (native median / ours; >= 1: ours is at least as fast), ours' measured bubble fraction and, where it has one, the schedule's ideal bubble
   (``schedule.ideal_bubble``: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved);
   ``summary.overhead_native_over_ours`` (and ``..._queued``) is that ratio per schedule at m=8;
@@ -663,11 +665,14 @@ def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dic
             entry["native_ms"] = in_ms(peer["step_seconds"])
             entry["native_over_ours"] = peer["step_seconds"]["median"] / run["step_seconds"]["median"]
             entry["native_over_ours_in_ranks"] = peer["step_seconds"]["median"] / run["rank_step_seconds"]["median"]
-            entry["native_over_ours_queued"] = peer["step_seconds"]["median"] / run["queued_step_seconds"]["median"]
+            # like for like: torch's steps back to back in groups as large as ours' calls
+            back_to_back = "queued_step_seconds" if "queued_step_seconds" in peer else "step_seconds"
+            entry["native_queued_ms"] = in_ms(peer[back_to_back])
+            entry["native_over_ours_queued"] = peer[back_to_back]["median"] / run["queued_step_seconds"]["median"]
             # round by round: how far the pooled ratio could move with the machine's drift
             entry["native_over_ours_queued_by_round"] = [
                 theirs / queued
-                for theirs, queued in zip(peer["round_medians"]["step_seconds"], run["round_medians"]["queued_step_seconds"])
+                for theirs, queued in zip(peer["round_medians"][back_to_back], run["round_medians"]["queued_step_seconds"])
             ]
         runs.append(entry)
     layers = mlp_layers(cfg)
@@ -701,6 +706,9 @@ def plot_overhead(path: Path, cfg: BenchPipelineConfig, overhead: dict[str, Any]
         curves[f"ours {schedule}"] = ([(r["microbatches"], r["ours_ms"]) for r in runs], "-")
         curves[f"ours {schedule}, steps queued"] = ([(r["microbatches"], r["ours_queued_ms"]) for r in runs], ":")
         curves[f"torch {schedule}"] = ([(r["microbatches"], r["native_ms"]) for r in runs if "native_ms" in r], "--")
+        curves[f"torch {schedule}, steps back to back"] = (
+            [(r["microbatches"], r["native_queued_ms"]) for r in runs if "native_queued_ms" in r], "-."
+        )
     title = f"overhead case: {overhead['model']}, batch {cfg.overhead_batch_size}, {cfg.stages} stages"
     curve_chart(path, curves, overhead_sweep(cfg).microbatches, "micro-batches per step (m)", "milliseconds per training step", title)
 

@@ -21,6 +21,12 @@ Invariants:
   m (``scale_grads=True``): the gradient of the batch mean, as our stages compute it.
 - A step ends with ``dist.barrier()``, so every rank's timed step spans the whole pipeline step;
   rank 0's times are reported (``bench.common.timed``: ``warmup`` untimed steps, then ``steps``).
+- Where the case's ``steps_per_call`` K > 1, the steps are also timed back to back in groups of K
+  with one barrier a group (``queued_step_seconds``: a group's seconds / K, one untimed group
+  first, ``steps`` rounded up to whole groups): the way ours' queued figure times K steps a Ray
+  call, so both are means over K steps and their medians compare. (A median of single steps
+  drops the slow ones, which a mean over K steps keeps: on this skewed distribution the two differ
+  by more than the gap they would measure.)
 - Each (schedule, m) gets a fresh ``PipelineStage``: the stage infers its shapes from the first
   micro-batch of its first step (a real forward and backward, which warm-up absorbs). The model
   and optimizer state carry over, as they do across our trainer's sweep.
@@ -88,21 +94,27 @@ def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -
                 skipped.append({"schedule": name, "microbatches": m, "reason": reason})
                 continue
 
-            def step(schedule: Any = schedule) -> None:
-                if rank == 0:
-                    schedule.step(x)
-                elif rank == world - 1:
-                    schedule.step(target=y, return_outputs=False)
-                else:
-                    schedule.step()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            def steps(count: int, schedule: Any = schedule) -> None:
+                for _ in range(count):
+                    if rank == 0:
+                        schedule.step(x)
+                    elif rank == world - 1:
+                        schedule.step(target=y, return_outputs=False)
+                    else:
+                        schedule.step()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 dist.barrier()
 
-            seconds = timed(step, case["warmup"], case["steps"])
-            runs.append({"schedule": name, "microbatches": m, "step_seconds": summarize(seconds), "samples": {"step_seconds": seconds}})
+            samples = {"step_seconds": timed(lambda: steps(1), case["warmup"], case["steps"])}
+            per_call = case["steps_per_call"]
+            if per_call > 1:
+                calls = -(-case["steps"] // per_call)
+                samples["queued_step_seconds"] = [t / per_call for t in timed(lambda: steps(per_call), 1, calls)]
+            figures = {figure: summarize(values) for figure, values in samples.items()}
+            runs.append({"schedule": name, "microbatches": m, **figures, "samples": samples})
     return {"runs": runs, "skipped": skipped}
 
 
