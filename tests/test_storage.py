@@ -87,7 +87,7 @@ def test_a_store_that_refuses_is_one_line():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens there once the socket is closed
     uri = f"s3://bucket/runs?endpoint_override=127.0.0.1:{port}&scheme=http"
-    with pytest.raises(UsageError, match=rf"^--storage-path: s3://bucket/runs\?.*: the store refused the request \(.+\)$"):
+    with pytest.raises(UsageError, match=r"^--storage-path: s3://bucket/runs\?.*: the store refused the request \(.+\)$"):
         check_reachable(locate(uri, "--storage-path"), "--storage-path")
 
 

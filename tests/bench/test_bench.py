@@ -322,3 +322,30 @@ def test_rounds_pool_each_points_samples_and_keep_the_rounds_medians():
     ]  # fmt: skip
     with pytest.raises(ValueError):  # rounds that ran different points cannot be pooled
         pooled([first, second[:1]])
+
+
+@pytest.mark.slow
+def test_step_split_script_times_both_loops_in_both_places():
+    """scripts/pipeline_step_split.py (the README's account of the overhead gap): each loop timed
+    once per round under torchrun and in Ray actors, and the ratios are those of the medians."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "pipeline_step_split.py"
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "RANK")}
+    done = subprocess.run(
+        [sys.executable, str(script), "--schedule", "1f1b", "--rounds", "2"], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    split = json.loads(done.stdout)
+    assert (split["schedule"], split["microbatches"], split["rounds"]) == ("1f1b", 8, 2)
+    ms = split["ms_per_step"]
+    assert set(ms) == {"torchrun", "ray_actors"} and all(set(loops) == {"ours", "torch"} for loops in ms.values())
+    for loops in ms.values():
+        for figure in loops.values():
+            assert_spread(figure)
+            assert figure["min"] > 0
+    for place, ratio in split["torch_over_ours_same_process"].items():
+        assert math.isclose(ratio, ms[place]["torch"]["median"] / ms[place]["ours"]["median"])
+    for loop, ratio in split["torchrun_over_ray_actors_same_code"].items():
+        assert math.isclose(ratio, ms["torchrun"][loop]["median"] / ms["ray_actors"][loop]["median"])
