@@ -34,12 +34,13 @@ def parse_worker_range(value: str | int) -> tuple[int, int]:
     return low, high
 
 
-def check_world_sizes(global_batch: int, accum: int, low: int, high: int) -> None:
-    """Every world size in ``low..high`` gives each rank whole micro-batches of ``global_batch``."""
+def check_world_sizes(global_batch: int, accum: int, low: int, high: int, option: str = "--global-batch-size") -> None:
+    """Every world size in ``low..high`` gives each rank whole micro-batches of ``global_batch``
+    (the value of ``option``: tune checks each batch size of its grid)."""
     if low == high:
         if global_batch % (low * accum):
             raise UsageError(
-                f"--global-batch-size: {global_batch} is not divisible by --num-workers {low}"
+                f"{option}: {global_batch} is not divisible by --num-workers {low}"
                 + (f" x --grad-accum-steps {accum}" if accum > 1 else "")
                 + f"; accepted: a multiple of {low * accum}"
             )

@@ -25,7 +25,7 @@ from typing import Any
 
 from raytrain_mp.config import absolute_path, build_config, check, check_choice, flag_name, option
 from raytrain_mp.ddp.config import DDPConfig
-from raytrain_mp.ddp.elastic import parse_worker_range
+from raytrain_mp.ddp.elastic import check_world_sizes, parse_worker_range
 from raytrain_mp.optim import OPTIMIZERS
 from raytrain_mp.errors import UsageError
 
@@ -116,16 +116,9 @@ class SweepOptions:
         check(bool(self.global_batch_sizes), "global_batch_sizes", "the grid is empty; accepted: a comma list of batch sizes")
         low, high = parse_worker_range(self.num_workers)
         check(low == high, "num_workers", f"a sweep's trials run at one size; accepted: a worker count, got {self.num_workers}")
-        step_batch = low * self.grad_accum_steps
         for batch in self.global_batch_sizes:
             check(batch >= 1, "global_batch_sizes", f"must be >= 1, got {batch}")
-            check(
-                batch % step_batch == 0,
-                "global_batch_sizes",
-                f"{batch} is not divisible by --num-workers {self.num_workers}"
-                + (f" x --grad-accum-steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else "")
-                + f"; accepted: multiples of {step_batch}",
-            )
+            check_world_sizes(batch, self.grad_accum_steps, low, high, option="--global-batch-sizes")
         check(bool(self.optimizers), "optimizers", f"the grid is empty; accepted: {', '.join(OPTIMIZERS)}")
         for name in self.optimizers:
             check(name in OPTIMIZERS, "optimizers", f"unknown value {name!r}; accepted: {', '.join(OPTIMIZERS)}")
