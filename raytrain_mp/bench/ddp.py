@@ -57,6 +57,7 @@ from raytrain_mp.bench.common import (
 from raytrain_mp.bench.config import BenchDDPConfig
 from raytrain_mp.ddp.distributed_eval import all_reduce_sum
 from raytrain_mp.models import build_model, wants_small_stem
+from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 from raytrain_mp.errors import UsageError
@@ -159,6 +160,7 @@ def ray_worker(settings: dict[str, Any]) -> None:
     import ray.train.torch
 
     ctx = ray.train.get_context()
+    run_at_normal_niceness()  # as ddp.loop does
     figures = measure_steps(settings, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
     # Ray Train V2 keeps only metrics that come with a checkpoint, so rank 0 attaches a token one.
     with tempfile.TemporaryDirectory() as folder:

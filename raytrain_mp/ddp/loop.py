@@ -38,6 +38,7 @@ from torch.utils.data import DistributedSampler
 
 from raytrain_mp.checkpointing import load_checkpoint, plain_state_dict, read_checkpoint, rng_states, set_rng_states, write_checkpoint
 from raytrain_mp.config import to_yaml
+from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.data.loader import EpochKeys, make_loader
@@ -92,6 +93,7 @@ def train_loop_per_worker(config: dict) -> None:
     cfg = DDPConfig(**config)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    run_at_normal_niceness()  # as a torchrun rank runs, not at Ray's 15 (see niceness)
     torch.set_num_threads(cfg.torch_threads)  # Ray sets OMP_NUM_THREADS; torch's pool is ours to size
     device = ray.train.torch.get_device()
     num_nodes = count_nodes(world)

@@ -8,11 +8,8 @@ wraps it with ``ray.remote`` (``num_gpus=1``: Ray sets ``CUDA_VISIBLE_DEVICES`` 
 its single visible GPU; otherwise ``num_cpus`` slots, and torch gets exactly that many threads).
 
 A rank runs at niceness 0, where a torchrun rank runs, not at the 15 Ray gives its workers
-(``RAY_worker_niceness``, so that Ray's daemons stay responsive): every rank is on the other ranks'
-critical path, and each time the OS prefers another process (a Ray daemon, the driver, a
-neighbour) over one rank, every rank waits for it. Lowering niceness needs CAP_SYS_NICE or
-an RLIMIT_NICE that allows it; where neither is given the rank keeps Ray's niceness
-(``StageWorker.niceness`` says which; start the cluster with ``RAY_worker_niceness=0`` instead).
+(``niceness.run_at_normal_niceness``, where the OS allows it; ``StageWorker.niceness`` says what
+it got).
 
 With ``virtual_stages`` V the model is cut into ``num_ranks * V`` stages and rank r holds stages
 r, r + num_ranks, ... (torch's interleaved layout); with V = 1 a rank holds one stage.
@@ -70,6 +67,7 @@ from torch.distributed.pipelining import (
 )
 
 from raytrain_mp.errors import UsageError
+from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import OPTIMIZERS, build_optimizer
 from raytrain_mp.pipeline.blocks import Block
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
@@ -147,15 +145,6 @@ def configure_device(use_gpu: bool, num_cpus: int) -> torch.device:
     return torch.device("cpu")
 
 
-def run_at_normal_niceness() -> None:
-    """Ask the OS for niceness 0 on the calling thread (on Linux niceness is per thread, and the
-    threads it starts later inherit it)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except PermissionError:  # no CAP_SYS_NICE: stay at the niceness Ray gave the worker
-        pass
-
-
 def profile_on_stage_device(
     model: nn.Module, blocks: list[Block], sample: Tensor, use_gpu: bool, num_cpus: int, autocast_bf16: bool
 ) -> list[float]:
@@ -204,9 +193,7 @@ class StageWorker:
 
     def __init__(self, modules: Sequence[nn.Module], config: StageConfig) -> None:
         self.config = config
-        # Before torch and gloo start their threads, so that they inherit it; a synchronous actor
-        # runs every call on the thread that ran its constructor.
-        run_at_normal_niceness()
+        run_at_normal_niceness()  # before torch and gloo start threads of their own
         self.device = configure_device(config.use_gpu, config.num_cpus)
         if config.deferred_bn:
             modules = [convert_deferred_batchnorm(module) for module in modules]
