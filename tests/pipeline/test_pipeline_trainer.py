@@ -92,6 +92,10 @@ def _assert_state_close(got: dict, want: dict, rtol: float) -> None:
         assert error <= rtol * scale, f"{key}: {error.item():.3g} off"
 
 
+def _receives_posted_ahead(trainer: PipelineTrainer) -> list[int]:
+    return ray.get([trainer.actor(rank).receives_posted_ahead.remote() for rank in range(trainer.num_stages)])
+
+
 @dataclass
 class Pipeline:
     trainer: PipelineTrainer
@@ -142,6 +146,7 @@ class TestAgainstGradientAccumulation:
         trainer.load_state_dict(pipeline.initial_state)
         trainer.load_optimizer_state_dicts(pipeline.initial_optimizer_states)
         trainer.set_schedule(schedule, m)
+        posted_before = _receives_posted_ahead(trainer)
         batches = list(zip(_batches(pipeline.dtype, steps), LRS))
         if m == 5:  # the run loop's way: steps and their lrs 2 to a call (then 1), the second call queued
             losses = list(trainer.train_steps(((x, y, lr) for (x, y), lr in batches), ahead=1, steps_per_call=2))
@@ -154,6 +159,15 @@ class TestAgainstGradientAccumulation:
         rtol = 1e-10 if float64 else 1e-5
         assert losses == pytest.approx(want_losses, rel=rtol)
         _assert_state_close(trainer.state_dict(), want_state, rtol)
+        # The steps after a schedule's first post their receives ahead (GPipe: activations and
+        # gradients; 1F1B: gradients), so the equality above covers them too.
+        ranks = range(trainer.num_stages)
+        per_step = {
+            "gpipe": [m * ((rank > 0) + (rank < trainer.num_stages - 1)) for rank in ranks],
+            "1f1b": [m * (rank < trainer.num_stages - 1) for rank in ranks],
+        }.get(schedule, [0 for _ in ranks])
+        posted = [after - before for before, after in zip(posted_before, _receives_posted_ahead(trainer))]
+        assert posted == [(steps - 1) * count for count in per_step]
 
     def test_state_dict_loads_into_torchvision_and_predictions_match(self, pipeline: Pipeline) -> None:
         x, _ = _batches(pipeline.dtype, 1)[0]
