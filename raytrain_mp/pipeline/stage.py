@@ -201,10 +201,12 @@ class _TimedStage(PipelineStage):
         if 0 not in self.args_recv_info:
             return 0
         receives = {"forward": super().get_fwd_recv_ops, "backward": super().get_bwd_recv_ops}
+        posted = 0
         for direction in directions:
             for i in range(num_microbatches):
                 self._posted[direction, i] = _post(receives[direction](i))
-        return sum(len(works) for works in self._posted.values())
+                posted += len(self._posted[direction, i])
+        return posted
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         return [] if ("forward", fwd_chunk_id) in self._posted else super().get_fwd_recv_ops(fwd_chunk_id)
