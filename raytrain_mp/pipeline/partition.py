@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from raytrain_mp.errors import UsageError
-from raytrain_mp.pipeline.blocks import Block
+from raytrain_mp.pipeline.blocks import Block, Carry
 
 BALANCE_MODES = ("time", "params")
 NEGLIGIBLE_SHARE = 0.01  # a stage with less than this share of the total cost is negligible
@@ -216,20 +216,27 @@ def profile_blocks(
     samples: list[list[float]] = [[] for _ in blocks]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
     for repeat in range(repeats + 1):
-        h = x
+        h: Carry = x
         for index, block in enumerate(blocks):
             # Later stages receive their input as a leaf that needs a gradient; time that too.
-            inp = h.detach().requires_grad_(index > 0 and h.is_floating_point())
+            inp = _leaf(h, index > 0)
             _synchronize(device)
             start = time.perf_counter()
             with autocast:
                 out = block.forward_on(model, inp)
-            out.backward(torch.ones_like(out))
+            outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             _synchronize(device)
             if repeat > 0:
                 samples[index].append(time.perf_counter() - start)
             h = out
     return [statistics.median(s) for s in samples]
+
+
+def _leaf(carry: Carry, needs_grad: bool) -> Carry:
+    if isinstance(carry, tuple):
+        return tuple(_leaf(t, needs_grad) for t in carry)  # type: ignore[return-value]
+    return carry.detach().requires_grad_(needs_grad and carry.is_floating_point())
 
 
 def _synchronize(device: torch.device) -> None:

@@ -298,7 +298,8 @@ class PipelineTrainer:
             pieces = [StageModule(model, blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
             held = [pieces[rank::num_stages] for rank in range(num_stages)]  # rank r: parts r, r + S, ...
             self._stage_keys = [[key for piece in modules for key in piece.state_dict()] for modules in held]
-            self._model_keys = [key for piece in pieces for key in piece.state_dict()]  # the model's order
+            # The model's own order: a stage attaches a residual block's downsample with its strided conv.
+            self._model_keys = list(model.state_dict())
             actor_class = ray.remote(StageWorker)
             for replica in range(num_replicas):
                 for rank, modules in enumerate(held):

@@ -97,7 +97,7 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
             assert run["bubble_formula"] == 1 / (virtual * run["microbatches"] + 1)
             assert ("bubble_for_stage_times" in run) == (virtual == 1)
             assert 0 <= run.get("bubble_for_stage_times", 0) < 1
-    assert results["layouts"]["fixed"]["plan"][1]["blocks"][0] == "layer3.0"  # the seeds' split
+    assert results["layouts"]["fixed"]["plan"][1]["blocks"][0] == "layer3.0.conv1"  # the seeds' split
     assert [(s["schedule"], s["microbatches"]) for s in results["layouts"]["fixed"]["skipped"]] == [("1f1b", 1)]
     gpipe2, one_f2 = (
         next(r for r in results["layouts"]["fixed"]["runs"] if r["schedule"] == s and r["microbatches"] == 2)

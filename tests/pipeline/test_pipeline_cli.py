@@ -23,8 +23,8 @@ def tiny_data(tmp_path_factory) -> str:
 @pytest.mark.parametrize(
     "argv, fragments",
     [
-        (["--stages", "11"], ["--stages: 11 stages for 10 blocks"]),
-        (["--split-points", "layer9"], ["--split-points: 'layer9' names no block", "layer3.0"]),
+        (["--stages", "19"], ["--stages: 19 stages for 18 blocks"]),
+        (["--split-points", "layer9"], ["--split-points: 'layer9' names no block", "layer3.0.conv2"]),
         (["--stages", "3", "--split-points", "layer3,layer2"], ["--split-points", "order"]),
         (["--split-points", "layer2,layer3"], ["--split-points: 2 split point(s) make 3 stages, not 2 (--stages 2 x --virtual-stages 1)"]),
         (["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--split-points", "layer2"],
@@ -36,7 +36,7 @@ def tiny_data(tmp_path_factory) -> str:
         (["--microbatches", "3"], ["--microbatches: must divide --global-batch-size 32 into equal micro-batches", "got 3"]),
         (["--schedule", "interleaved-zb"], ["--virtual-stages: interleaved-zb needs at least 2 stages per rank, got 1"]),
         (["--virtual-stages", "2"], ["--virtual-stages: the gpipe schedule runs one stage per rank, got 2"]),
-        (["--schedule", "interleaved-1f1b", "--virtual-stages", "6"], ["--stages: 12 stages for 10 blocks"]),
+        (["--schedule", "interleaved-1f1b", "--virtual-stages", "10"], ["--stages: 20 stages for 18 blocks"]),
         (["--precision", "fp16"], ["--precision", "invalid choice: 'fp16'"]),
         (["--global-batch-size", "500"], ["--global-batch-size 500 exceeds the 160 training samples"]),
         (["--replicas", "0"], ["--replicas: must be >= 1, got 0"]),

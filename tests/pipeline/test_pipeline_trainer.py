@@ -122,7 +122,7 @@ class TestAgainstGradientAccumulation:
     def pipeline(self, request: pytest.FixtureRequest, ray_session: object) -> Iterator[Pipeline]:
         dtype, num_stages, virtual = request.param
         # float32 runs use split points by name (the seeds' split for 2 stages); float64 runs the
-        # default parameter balance.
+        # default parameter balance, whose cuts fall inside residual blocks (test_plan_and_stats).
         split = {(2, 1): ["layer3"], (3, 2): ["layer1.1", "layer2.0", "layer2.1", "layer3.1", "layer4.0"]}
         trainer = PipelineTrainer(
             _model(dtype), num_stages, split_points=split[num_stages, virtual] if dtype == torch.float32 else None,
@@ -182,7 +182,17 @@ class TestAgainstGradientAccumulation:
         assert [p.index for p in plans] == list(range(trainer.num_stages * trainer.virtual_stages))
         assert sum(p.param_share for p in plans) == pytest.approx(1.0)
         if pipeline.dtype == torch.float32:
-            assert plans[1].blocks[0] == {2: "layer3.0", 3: "layer1.1"}[trainer.num_stages]
+            assert plans[1].blocks[0] == {2: "layer3.0.conv1", 3: "layer1.1.conv1"}[trainer.num_stages]
+        else:
+            # The parameter balance cuts inside residual blocks (before a conv2) on 3 ranks and on
+            # 2 x 2 and 3 x 2 parts, so the equivalence covers stages that send packed pairs:
+            # layer4.0.conv2 receives (main path, downsampled identity), layer4.1.conv2 (main path, identity).
+            assert [p.blocks[0] for p in plans[1:]] == {
+                (2, 1): ["layer4.1.conv1"],
+                (3, 1): ["layer4.0.conv2", "layer4.1.conv2"],
+                (2, 2): ["layer4.0.conv1", "layer4.1.conv1", "layer4.1.conv2"],
+                (3, 2): ["layer3.1.conv1", "layer4.0.conv1", "layer4.0.conv2", "layer4.1.conv1", "layer4.1.conv2"],
+            }[trainer.num_stages, trainer.virtual_stages]
         x, y = _batches(pipeline.dtype, 1)[0]
         trainer.stats()
         trainer.train_step(x, y)
@@ -304,11 +314,11 @@ def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_stages": 11}, "num_stages: 11 stages for 10 blocks; each stage needs at least one block"),
-        ({"split_points": ["layer9"]}, "split_points: 'layer9' names no block; blocks: stem, layer1.0, layer1.1, "
-         "layer2.0, layer2.1, layer3.0, layer3.1, layer4.0, layer4.1, head"),
+        ({"num_stages": 19}, "num_stages: 19 stages for 18 blocks; each stage needs at least one block"),
+        ({"split_points": ["layer9"]}, "split_points: 'layer9' names no block; blocks: stem, "
+         + ", ".join(f"layer{i}.{j}.conv{k}" for i in range(1, 5) for j in range(2) for k in (1, 2)) + ", head"),
         ({"num_stages": 3, "split_points": ["layer4", "layer2"]},
-         "split_points: 'layer2' does not come after 'layer4.0'; give split points in model order"),
+         "split_points: 'layer2' does not come after 'layer4.0.conv1'; give split points in model order"),
         ({"num_microbatches": 0}, "num_microbatches: need at least 1 micro-batch, got 0"),
         ({"num_stages": 3, "schedule": "1f1b", "num_microbatches": 2},
          "num_microbatches: 1F1B over 3 stages needs at least 3 micro-batches, got 2; "
