@@ -76,7 +76,7 @@ from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import OPTIMIZERS, build_optimizer
 from raytrain_mp.pipeline.blocks import Block
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
-from raytrain_mp.pipeline.partition import profile_blocks
+from raytrain_mp.pipeline.partition import keep_freed_memory, profile_blocks
 from raytrain_mp.pipeline.replica_sync import merge_deferred_stats, merge_running_stats, snapshot, sum_gradients
 from raytrain_mp.pipeline.replicas import global_rank, pipeline_ranks, stage_ranks
 from raytrain_mp.pipeline.schedule import INTERLEAVED_SCHEDULES
@@ -166,8 +166,10 @@ def configure_device(use_gpu: bool, num_cpus: int) -> torch.device:
 def profile_on_stage_device(
     model: nn.Module, blocks: list[Block], sample: Tensor, use_gpu: bool, num_cpus: int, autocast_bf16: bool
 ) -> list[float]:
-    """``partition.profile_blocks`` on a rank's device; the body of the trainer's profiling task."""
+    """``partition.profile_blocks`` on a rank's device; the body of the trainer's profiling task,
+    whose process exits afterwards (so its allocator settings, ``keep_freed_memory``, go with it)."""
     device = configure_device(use_gpu, num_cpus)
+    keep_freed_memory()
     return profile_blocks(model, blocks, sample, device, autocast_bf16=autocast_bf16)
 
 

@@ -346,7 +346,8 @@ class PipelineTrainer:
         self, model: nn.Module, blocks: list[Block], sample: Tensor, cpus: int, autocast_bf16: bool
     ) -> list[float]:
         # Profile where rank 0 will run, before its actor takes the bundle: the target device.
-        # max_calls=1: the task's worker exits afterwards, so it holds no CUDA context on the GPU.
+        # max_calls=1: the task's worker exits afterwards, so it holds no CUDA context on the GPU and its
+        # allocator settings (partition.keep_freed_memory) die with it.
         task = ray.remote(max_calls=1)(profile_on_stage_device).options(**self._placement(0, cpus))
         return ray.get(task.remote(model, blocks, sample, self.use_gpu, cpus, autocast_bf16))
 
