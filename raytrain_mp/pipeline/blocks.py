@@ -68,8 +68,8 @@ class ResidualPiece:
             h, identity = carry, carry
         elif isinstance(carry, tuple):
             h, identity = carry
-        else:  # packed by the previous stage
-            h, identity = carry[:, : conv.in_channels], carry[:, conv.in_channels :]
+        else:  # packed by the previous stage; one split, whose backward is one cat of the two gradients
+            h, identity = carry.split([conv.in_channels, carry.shape[1] - conv.in_channels], 1)
         h = bn(conv(h))
         if downsample:
             identity = downsample[0](identity)
