@@ -18,7 +18,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "raytrain_mp"
 
-SHARED_MODULES = {"checkpointing", "cluster", "config", "errors", "lr_schedule", "models", "niceness", "optim", "storage"}
+SHARED_MODULES = {"allocator", "checkpointing", "cluster", "config", "errors", "lr_schedule", "models", "niceness", "optim", "storage"}
 CAPABILITIES = {"ddp", "pipeline", "tune", "bench"}
 # What each unit may import besides itself. "shared" is the top-level shared modules.
 ALLOWED = {

@@ -22,20 +22,14 @@ Invariants:
   stages take as many blocks as they can). Exact dynamic programmes, no floating tolerance.
 - Bad input raises a one-line ``UsageError`` naming the option, before any resource is used.
 
-Profiling measures what a stage costs once it has run for a while. On CPU, glibc's malloc
-returns freed memory to the OS (heap trimming, mmap for blocks above a threshold that it adapts
-as the process runs), and a block that allocates fresh pages pays their faults: profiled one
-block after another, ResNet-50's first stages (large activations, micro-batch 8) measured 0.41 s
-where they run at 0.30 s once their stage has warmed, while its later stages measured right (0.39
-against 0.35 s), so the balance cut at the wrong place. ``keep_freed_memory`` fixes the allocator
-as a warmed stage finds it (0.319 and 0.363 s profiled); the profiling task calls it, in a
-process of its own.
+Profiling measures what a stage costs once it has run for a while: the profiling task keeps
+freed memory (``allocator.keep_freed_memory``), as the stage actors do, so that blocks profiled
+one after another in a fresh process do not pay the page faults a running stage does not.
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
 import statistics
 import time
 from collections.abc import Sequence
@@ -203,20 +197,6 @@ def plan_stages(
             )
         )
     return plans
-
-
-# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64 bits
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX = -1, -3, 32 * 1024 * 1024
-
-
-def keep_freed_memory() -> bool:
-    """Make this process's glibc malloc keep freed memory (no heap trimming; blocks up to 32 MiB
-    from the heap): its state after a stage's first steps. For a process that only profiles: it
-    keeps its peak memory. False where the C library has no ``mallopt`` (not glibc), changing nothing."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        return False
-    return bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)) and bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX))
 
 
 def profile_blocks(

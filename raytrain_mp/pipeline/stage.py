@@ -9,7 +9,8 @@ its single visible GPU; otherwise ``num_cpus`` slots, and torch gets exactly tha
 
 A rank runs at niceness 0, where a torchrun rank runs, not at the 15 Ray gives its workers
 (``niceness.run_at_normal_niceness``, where the OS allows it; ``StageWorker.niceness`` says what
-it got).
+it got). A CPU rank's allocator keeps the memory a step frees for the next step
+(``allocator.keep_freed_memory``, glibc only; ``StageWorker.keeps_freed_memory`` says whether).
 
 With ``virtual_stages`` V the model is cut into ``num_ranks * V`` stages and rank r holds stages
 r, r + num_ranks, ... (torch's interleaved layout); with V = 1 a rank holds one stage.
@@ -72,11 +73,12 @@ from torch.distributed.pipelining import (
 )
 
 from raytrain_mp.errors import UsageError
+from raytrain_mp.allocator import keep_freed_memory
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import OPTIMIZERS, build_optimizer
 from raytrain_mp.pipeline.blocks import Block
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
-from raytrain_mp.pipeline.partition import keep_freed_memory, profile_blocks
+from raytrain_mp.pipeline.partition import profile_blocks
 from raytrain_mp.pipeline.replica_sync import merge_deferred_stats, merge_running_stats, snapshot, sum_gradients
 from raytrain_mp.pipeline.replicas import global_rank, pipeline_ranks, stage_ranks
 from raytrain_mp.pipeline.schedule import INTERLEAVED_SCHEDULES
@@ -253,6 +255,8 @@ class StageWorker:
         self.config = config
         run_at_normal_niceness()  # before torch and gloo start threads of their own
         self.device = configure_device(config.use_gpu, config.num_cpus)
+        # On CPU each step would otherwise fault in its gradients and activations afresh.
+        self._keeps_freed_memory = self.device.type == "cpu" and keep_freed_memory()
         if config.deferred_bn:
             modules = [convert_deferred_batchnorm(module) for module in modules]
         self.modules = [module.to(self.device).train() for module in modules]
@@ -286,6 +290,10 @@ class StageWorker:
     def receives_posted_ahead(self) -> int:
         """How many of this rank's receives so far were posted at the start of their step (``POST_AHEAD``)."""
         return self._receives_posted_ahead
+
+    def keeps_freed_memory(self) -> bool:
+        """Whether this CPU rank's allocator keeps freed memory (``allocator.keep_freed_memory``)."""
+        return self._keeps_freed_memory
 
     def niceness(self) -> int:
         """The niceness of the thread that runs this rank's calls (0 unless the OS refused)."""

@@ -313,6 +313,7 @@ class PipelineTrainer:
                     self._actors.append(actor_class.options(**options).remote(modules, config))
             self.devices: list[str] = self._call_all("ready")  # per actor, replica-major
             self.niceness: list[int] = self._call_all("niceness")  # per actor, replica-major
+            self.keeps_freed_memory: list[bool] = self._call_all("keeps_freed_memory")  # per actor, replica-major
             host, port = self._gather([(0, self.actor(0).host_store.remote())], step=None)[0]
             self._call_all("join_group", host, port)
             self.nodes: list[str] = [  # Ray node id per actor, replica-major
@@ -347,7 +348,7 @@ class PipelineTrainer:
     ) -> list[float]:
         # Profile where rank 0 will run, before its actor takes the bundle: the target device.
         # max_calls=1: the task's worker exits afterwards, so it holds no CUDA context on the GPU and its
-        # allocator settings (partition.keep_freed_memory) die with it.
+        # allocator settings (allocator.keep_freed_memory) die with it.
         task = ray.remote(max_calls=1)(profile_on_stage_device).options(**self._placement(0, cpus))
         return ray.get(task.remote(model, blocks, sample, self.use_gpu, cpus, autocast_bf16))
 

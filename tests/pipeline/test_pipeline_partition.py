@@ -1,14 +1,9 @@
-"""Cutting blocks into stages: split points, parameter and time balance, reports, error texts,
-and the profiling process's allocator setting."""
+"""Cutting blocks into stages: split points, parameter and time balance, reports, error texts."""
 
 from __future__ import annotations
 
 import itertools
-import platform
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -195,28 +190,3 @@ def test_profile_blocks_times_each_block_and_leaves_the_model_alone() -> None:
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
 
-
-FREED_MEMORY_PROBE = """
-import sys, torch
-from raytrain_mp.pipeline.partition import keep_freed_memory
-kept = keep_freed_memory() if sys.argv[1] == "keep" else None
-def resident_mib():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
-before = resident_mib()
-x = torch.ones(16 * 2**20 // 4)  # 16 MiB, every page touched
-held = resident_mib() - before
-del x
-print(kept, round(held), round(resident_mib() - before))
-"""
-
-
-@pytest.mark.skipif(not Path("/proc/self/statm").exists() or platform.libc_ver()[0] != "glibc", reason="glibc on Linux")
-def test_keep_freed_memory_keeps_a_freed_block_resident() -> None:
-    # Run in a child: the setting is for the profiling task's own process, never pytest's.
-    def probe(mode: str) -> list[str]:
-        return subprocess.run([sys.executable, "-c", FREED_MEMORY_PROBE, mode], capture_output=True, text=True, check=True).stdout.split()
-
-    kept, held, after = probe("keep")
-    assert kept == "True" and int(held) >= 15 and int(after) >= 15  # freed, and still the process's
-    kept, held, after = probe("default")
-    assert kept == "None" and int(held) >= 15 and int(after) <= 2  # glibc gives a freed 16 MiB block back

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import platform
 import resource
 import signal
 from collections.abc import Iterator
@@ -207,10 +208,12 @@ class TestAgainstGradientAccumulation:
         queued.close()  # the two steps queued behind the first still run, and count
         assert trainer.steps_done == done + 3 and trainer.stats()["steps"] == 3
 
-    def test_ranks_run_at_torchruns_niceness_where_allowed(self, pipeline: Pipeline) -> None:
+    def test_ranks_run_at_torchruns_niceness_and_keep_freed_memory(self, pipeline: Pipeline) -> None:
         # Ray starts workers at 15; root (CAP_SYS_NICE) may lower it, anyone else keeps it.
         allowed = os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
         assert pipeline.trainer.niceness == [0 if allowed else 15] * pipeline.trainer.num_stages
+        # and, on glibc, keep the memory a step frees for the next (allocator.keep_freed_memory)
+        assert pipeline.trainer.keeps_freed_memory == [platform.libc_ver()[0] == "glibc"] * pipeline.trainer.num_stages
 
 
 def test_deferred_bn_time_balance_adamw_and_clipping(ray_session: object) -> None:
