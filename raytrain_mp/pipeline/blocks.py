@@ -7,11 +7,12 @@ A block is a place a stage boundary can fall before. A ResNet's residual blocks 
 convolution, so that time balance is not limited to whole residual blocks (ResNet-50's are 4-7%
 of its time each): ``layer3.0.conv1`` (conv1, bn1, ReLU), ``layer3.0.conv2``, ``layer3.0.conv3``
 (the last conv, the residual sum and its ReLU); a split point ``"layer3.0"`` or ``"layer3"``
-cuts before the first. Other kinds of residual block run whole. The downsample rides with the strided convolution, so
-the pieces of a block pass on (main path, identity) at the same spatial size. Within a stage that
-pair stays a tuple; a stage whose last block leaves one sends it packed along the channels
-(``pack``), and the next block unpacks it by its convolution's input channels: one tensor crosses
-every stage boundary, so the P2P protocol and torch's stage metadata see a single activation.
+cuts before the first. Other kinds of residual block run whole. The downsample rides with the
+strided convolution, so the pieces of a block pass on (main path, identity) at the same spatial
+size. Within a stage that pair stays a tuple; a stage whose last block leaves one sends it
+packed along the channels (``pack``), and the next block splits it by its convolution's input
+channels: one tensor crosses every stage boundary, so the P2P protocol and torch's stage
+metadata see a single activation.
 
 A block names the modules it runs by their original dotted paths (``"layer3.0.conv1"``); it
 does not hold the modules. A ``StageModule`` registers each named module under the same path, so:

@@ -72,8 +72,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from raytrain_mp.errors import UsageError
 from raytrain_mp.allocator import keep_freed_memory
+from raytrain_mp.errors import UsageError
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import OPTIMIZERS, build_optimizer
 from raytrain_mp.pipeline.blocks import Block

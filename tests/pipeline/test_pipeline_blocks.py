@@ -31,7 +31,7 @@ def test_resnet_blocks() -> None:
 
 
 @pytest.mark.parametrize("arch", ["resnet18", "resnet50"])
-def test_every_cut_inside_a_residual_block_equals_the_model(arch: str) -> None:
+def test_a_cut_before_any_block_equals_the_model(arch: str) -> None:
     # Two stages cut before every block: one tensor crosses the cut, the forward equals the
     # whole model's exactly and every gradient within 1e-13 of its largest element.
     torch.manual_seed(0)
