@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,3 +129,20 @@ def make_image_folder(root: Path, seed: int = 0) -> Path:
             image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
             image.save(root / f"class{c}" / (f"{i}.jpg" if i % 2 else f"{i}.png"), quality=90)
     return root
+
+
+def kill_actor(actor: object, timeout_s: float = 60.0) -> None:
+    """``ray.kill`` the actor and return once it is dead: ``ray.kill`` only asks, and a call sent
+    right after it can still run on the live actor (a test that expects the next step to fail
+    would then see it pass)."""
+    import ray
+
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the actor still answered {timeout_s:.0f} s after ray.kill")

@@ -17,6 +17,7 @@ import ray
 import torch
 from torch import nn
 
+from helpers import kill_actor
 from raytrain_mp.errors import UsageError
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError, convert_deferred_batchnorm, split_batch
@@ -216,7 +217,7 @@ def test_a_killed_actor_of_replica_1_is_named(ray_session: object) -> None:
         with pytest.raises(UsageError, match=r"^num_replicas: 2 replicas x 2 micro-batches do not divide a batch of 6"):
             pipeline.train_step(x[:6], y[:6])  # refused before any call: the next step still runs
         pipeline.train_step(x, y)
-        ray.kill(pipeline.actor(0, replica=1))
+        kill_actor(pipeline.actor(0, replica=1))
         with pytest.raises(StageFailedError) as info:
             pipeline.train_step(x, y)
     assert (info.value.stage, info.value.replica, info.value.step) == (0, 1, 2)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import kill_actor
 from raytrain_mp.errors import UsageError
 from raytrain_mp.models import build_model
 from raytrain_mp.optim import build_optimizer
@@ -288,7 +289,7 @@ def test_a_killed_stage_is_named(ray_session: object) -> None:
     model, x, y = _tiny()
     with PipelineTrainer(model, 2, num_microbatches=2, use_gpu=False) as pipeline:
         pipeline.train_step(x, y)
-        ray.kill(pipeline.actor(0))
+        kill_actor(pipeline.actor(0))
         with pytest.raises(StageFailedError) as info:
             pipeline.train_step(x, y)
     assert (info.value.stage, info.value.step) == (0, 2)
