@@ -2,10 +2,11 @@
 
 Job: join the stages' torch.distributed process group (gloo on CPU, NCCL on GPU), and run each
 step's schedule locally with ``torch.distributed.pipelining``: the driver makes one call per rank
-per step, handing the inputs to rank 0 and the targets to the last rank once, and the ranks
-exchange activations and gradients point to point. ``StageWorker`` is a plain class; the trainer
-wraps it with ``ray.remote`` (``num_gpus=1``: Ray sets ``CUDA_VISIBLE_DEVICES`` and the rank uses
-its single visible GPU; otherwise ``num_cpus`` slots, and torch gets exactly that many threads).
+per step, handing the inputs to rank 0 and the targets to the last rank once (zero-copy,
+``handoff``), and the ranks exchange activations and gradients point to point. ``StageWorker`` is
+a plain class; the trainer wraps it with ``ray.remote`` (``num_gpus=1``: Ray sets
+``CUDA_VISIBLE_DEVICES`` and the rank uses its single visible GPU; otherwise ``num_cpus`` slots,
+and torch gets exactly that many threads).
 
 A rank runs at niceness 0, where a torchrun rank runs, not at the 15 Ray gives its workers
 (``niceness.run_at_normal_niceness``, where the OS allows it; ``StageWorker.niceness`` says what
@@ -60,6 +61,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -78,6 +80,7 @@ from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import OPTIMIZERS, build_optimizer
 from raytrain_mp.pipeline.blocks import Block
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
+from raytrain_mp.pipeline.handoff import from_wire
 from raytrain_mp.pipeline.partition import profile_blocks
 from raytrain_mp.pipeline.replica_sync import merge_deferred_stats, merge_running_stats, snapshot, sum_gradients
 from raytrain_mp.pipeline.replicas import global_rank, pipeline_ranks, stage_ranks
@@ -478,18 +481,18 @@ class StageWorker:
         schedule: str,
         num_microbatches: int,
         microbatch_shape: tuple[int, ...],
-        inputs: Sequence[Tensor] | None,
-        targets: Sequence[Tensor] | None,
+        inputs: Sequence[np.ndarray | Tensor] | None,
+        targets: Sequence[np.ndarray | Tensor] | None,
         max_norm: float | None,
         lrs: Sequence[float | None],
     ) -> list[tuple[float | None, float, float]]:
         """``train_step`` for each of the call's steps in order (one Ray call for several steps:
         the ranks stay in step with each other between them); ``inputs``/``targets`` hold a batch
-        per step on the ranks that take them."""
+        per step on the ranks that take them, as ``handoff.to_wire`` sent them."""
         return [
             self.train_step(
-                schedule, num_microbatches, microbatch_shape, inputs[i] if inputs is not None else None,
-                targets[i] if targets is not None else None, max_norm, lr,
+                schedule, num_microbatches, microbatch_shape, from_wire(inputs[i]) if inputs is not None else None,
+                from_wire(targets[i]) if targets is not None else None, max_norm, lr,
             )  # fmt: skip
             for i, lr in enumerate(lrs)
         ]
@@ -507,10 +510,10 @@ class StageWorker:
             for grad in grads:
                 grad.mul_(scale)
 
-    def infer(self, inputs: Tensor | None, num_chunks: int) -> Tensor | None:
+    def infer(self, inputs: np.ndarray | Tensor | None, num_chunks: int) -> Tensor | None:
         """Eval-mode outputs (logits) of the batch in ``num_chunks`` micro-batches: on the last rank;
-        None elsewhere. Rank 0 gets ``inputs``."""
-        chunks = inputs.tensor_split(num_chunks) if self.holds_first else num_chunks
+        None elsewhere. Rank 0 gets ``inputs`` (as ``handoff.to_wire`` sent them)."""
+        chunks = from_wire(inputs).tensor_split(num_chunks) if self.holds_first else num_chunks
         outputs, _ = self._forward_chain(chunks)
         return torch.cat(outputs) if self.holds_last else None
 

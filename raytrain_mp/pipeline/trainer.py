@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from raytrain_mp.cluster import reachable, resolve_use_gpu, use_token_if_the_cluster_asks
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
+from raytrain_mp.pipeline.handoff import to_wire
 from raytrain_mp.pipeline.microbatch import check_microbatches
 from raytrain_mp.pipeline.partition import (
     BALANCE_MODES,
@@ -456,8 +457,8 @@ class PipelineTrainer:
         last = self.num_stages - 1
         refs = [
             (global_rank(replica, rank, self.num_stages), self.actor(rank, replica).train_steps.remote(
-                self.schedule, m, shape, [step[replica][0] for step in shares] if rank == 0 else None,
-                [step[replica][1] for step in shares] if rank == last else None, self.clip_grad_norm, lrs,
+                self.schedule, m, shape, [to_wire(step[replica][0]) for step in shares] if rank == 0 else None,
+                [to_wire(step[replica][1]) for step in shares] if rank == last else None, self.clip_grad_norm, lrs,
             ))
             for replica in range(self.num_replicas)
             for rank in range(self.num_stages)
@@ -485,7 +486,7 @@ class PipelineTrainer:
         """Eval-mode outputs (logits) for ``inputs``, in micro-batches through replica 0's stages."""
         chunks = min(self.num_microbatches, len(inputs))
         refs = [
-            (rank, self.actor(rank).infer.remote(inputs if rank == 0 else None, chunks))
+            (rank, self.actor(rank).infer.remote(to_wire(inputs) if rank == 0 else None, chunks))
             for rank in range(self.num_stages)
         ]
         return self._gather(refs, step=None)[-1]
