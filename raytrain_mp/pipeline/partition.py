@@ -1,8 +1,9 @@
 """Cut an ordered list of blocks into contiguous pipeline stages.
 
 Job: decide which blocks each stage holds — from explicit split points, from per-block costs
-(parameter counts, or forward+backward seconds measured by ``profile_blocks``) — and report
-each stage's cost and parameter share. Pure: no Ray; profiling needs only torch.
+(parameter counts, or forward and backward seconds measured by ``profile_blocks``: their sum
+balanced for 1F1B-like schedules, each phase for GPipe's fill-drain) — and report each stage's
+cost and parameter share. Pure: no Ray; profiling needs only torch.
 
 A partition is given by ``bounds``: ``num_stages + 1`` increasing block indices from 0 to the
 number of blocks; stage ``s`` holds blocks ``bounds[s]:bounds[s + 1]``.
@@ -32,7 +33,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
@@ -57,6 +58,7 @@ class StagePlan:
     params: int
     param_share: float
     seconds: float | None  # measured forward+backward seconds per micro-batch; None if not profiled
+    forward_seconds: float | None = None  # of which the forward; None if not profiled
 
 
 def check_stage_count(num_blocks: int, num_stages: int) -> None:
@@ -111,28 +113,121 @@ def balance_bounds(costs: Sequence[float], num_stages: int, negligible: float = 
     """
     n = len(costs)
     check_stage_count(n, num_stages)
-    if not 0.0 <= negligible < 1.0:
-        raise UsageError(f"negligible: a share of the total cost in [0, 1), got {negligible}")
+    _check_negligible(negligible)
     prefix = [0.0, *accumulate(costs)]
     floor = negligible * prefix[n]
-    best = _smallest_bottleneck(prefix, num_stages, 0.0)
-    without_negligible = _smallest_bottleneck(prefix, num_stages, floor)
+    best = _smallest_bottleneck(prefix, num_stages, _anything)
+    without_negligible = _smallest_bottleneck(prefix, num_stages, _at_least(prefix, floor))
     cap = without_negligible if without_negligible <= best + floor else best
-    smallest = _largest_smallest_stage(prefix, num_stages, cap)
-    return _earliest_cuts_from_the_end(prefix, num_stages, smallest, cap)
+    within = _at_most(prefix, cap)
+    smallest = _largest_smallest_stage(prefix, num_stages, within)
+    return _earliest_cuts_from_the_end(prefix, num_stages, _both(within, _at_least(prefix, smallest)))
 
 
-def _smallest_bottleneck(prefix: Sequence[float], num_stages: int, low: float) -> float:
-    """Smallest largest stage cost over cuts whose stages all cost at least ``low`` (inf if none)."""
+def balance_fill_drain_bounds(
+    forward: Sequence[float], backward: Sequence[float], num_stages: int, negligible: float = NEGLIGIBLE_SHARE
+) -> list[int]:
+    """Contiguous bounds for a fill-drain schedule (GPipe): minimizing the largest stage forward
+    plus the largest stage backward.
+
+    GPipe runs every forward, then every backward; with m micro-batches each phase is a flow shop of
+    identical jobs, whose makespan is the sum of the stage times plus (m - 1) times the largest. So
+    the step takes ``sum(forward) + sum(backward) + (m - 1) * (max F + max B)`` (F, B: a stage's
+    forward and backward seconds per micro-batch), and the cut that balances forward + backward
+    (``balance_bounds``, right for 1F1B, whose stages alternate the two) is not the best one when
+    the stages' forward/backward ratios differ: ResNet-50's early layers have relatively slower
+    forwards than its late ones.
+
+    The rule is ``balance_bounds``'s with the score ``J = max F + max B`` in place of the largest
+    stage cost, and stage sizes ``forward + backward``: with ``floor = negligible * sum(forward +
+    backward)``, the target is the smallest J over cuts whose every stage is at least ``floor`` if
+    that is at most the smallest J plus ``floor``, else the smallest J; among cuts with J at most
+    the target, the largest smallest stage, then the cut points, compared from the last, smallest.
+    Exact: each candidate largest forward (a stage's forward sum) is tried, O(k n^2) each.
+    """
+    n = len(forward)
+    if len(backward) != n:
+        raise UsageError(f"backward: {len(backward)} backward times for {n} forward times")
+    check_stage_count(n, num_stages)
+    _check_negligible(negligible)
+    pf, pb = [0.0, *accumulate(forward)], [0.0, *accumulate(backward)]
+    size = [0.0, *accumulate(f + b for f, b in zip(forward, backward))]
+    caps = sorted({pf[i] - pf[j] for i in range(n + 1) for j in range(i)})
+    floor = negligible * size[n]
+
+    def smallest_score(allowed: Allowed) -> float:
+        """Smallest J over cuts whose stages all pass ``allowed``."""
+        least_forward = _smallest_bottleneck(pf, num_stages, allowed)
+        least_backward = _smallest_bottleneck(pb, num_stages, allowed)
+        best = inf
+        for cap in caps:
+            if cap < least_forward:
+                continue  # no such cut has every stage's F <= cap
+            if cap + least_backward >= best:
+                break  # J >= cap + least_backward from here on
+            best = min(best, cap + _smallest_bottleneck(pb, num_stages, _both(allowed, _at_most(pf, cap))))
+        return best
+
+    best = smallest_score(_anything)
+    without_negligible = smallest_score(_at_least(size, floor))
+    target = without_negligible if without_negligible <= best + floor else best
+    # The cuts with J <= target, as the union over caps on F of those whose every stage has F <= cap
+    # and cap + B <= target. A cut's own largest F is such a cap, within [least F, target - least B].
+    least_forward = _smallest_bottleneck(pf, num_stages, _anything)
+    least_backward = _smallest_bottleneck(pb, num_stages, _anything)
+    boxes = [
+        _both(_at_most(pf, cap), _within_score(pb, cap, target))
+        for cap in caps
+        if least_forward <= cap and cap + least_backward <= target
+    ]
+    smallest_of_box = [_largest_smallest_stage(size, num_stages, box) for box in boxes]
+    smallest = max(smallest_of_box)
+    chosen = (
+        _earliest_cuts_from_the_end(size, num_stages, _both(box, _at_least(size, smallest)))
+        for box, box_smallest in zip(boxes, smallest_of_box)
+        if box_smallest == smallest
+    )
+    return min(chosen, key=lambda bounds: bounds[::-1])
+
+
+# A stage holding blocks[j:i] passes when allowed(j, i).
+Allowed = Callable[[int, int], bool]
+
+
+def _anything(j: int, i: int) -> bool:
+    return True
+
+
+def _at_least(prefix: Sequence[float], low: float) -> Allowed:
+    return lambda j, i: prefix[i] - prefix[j] >= low
+
+
+def _at_most(prefix: Sequence[float], high: float) -> Allowed:
+    return lambda j, i: prefix[i] - prefix[j] <= high
+
+
+def _within_score(prefix: Sequence[float], cap: float, target: float) -> Allowed:
+    # cap + stage <= target, computed as J is (one float addition), so that J <= target exactly.
+    return lambda j, i: cap + (prefix[i] - prefix[j]) <= target
+
+
+def _both(first: Allowed, second: Allowed) -> Allowed:
+    return lambda j, i: first(j, i) and second(j, i)
+
+
+def _check_negligible(negligible: float) -> None:
+    if not 0.0 <= negligible < 1.0:
+        raise UsageError(f"negligible: a share of the total cost in [0, 1), got {negligible}")
+
+
+def _smallest_bottleneck(prefix: Sequence[float], num_stages: int, allowed: Allowed) -> float:
+    """Smallest largest stage cost over cuts whose stages all pass ``allowed`` (inf if none)."""
     n = len(prefix) - 1
     # value[i]: for the current k, the smallest largest cost of cutting blocks[:i] into k stages.
     value = [0.0] + [inf] * n
     for k in range(1, num_stages + 1):
         value = [
-            min(
-                (max(value[j], prefix[i] - prefix[j]) for j in range(k - 1, i) if prefix[i] - prefix[j] >= low),
-                default=inf,
-            )
+            min((max(value[j], prefix[i] - prefix[j]) for j in range(k - 1, i) if allowed(j, i)), default=inf)
             if i >= k
             else inf
             for i in range(n + 1)
@@ -140,16 +235,13 @@ def _smallest_bottleneck(prefix: Sequence[float], num_stages: int, low: float) -
     return value[n]
 
 
-def _largest_smallest_stage(prefix: Sequence[float], num_stages: int, high: float) -> float:
-    """Largest smallest stage cost over cuts whose stages all cost at most ``high`` (-inf if none)."""
+def _largest_smallest_stage(prefix: Sequence[float], num_stages: int, allowed: Allowed) -> float:
+    """Largest smallest stage cost over cuts whose stages all pass ``allowed`` (-inf if none)."""
     n = len(prefix) - 1
     value = [inf] + [-inf] * n
     for k in range(1, num_stages + 1):
         value = [
-            max(
-                (min(value[j], prefix[i] - prefix[j]) for j in range(k - 1, i) if prefix[i] - prefix[j] <= high),
-                default=-inf,
-            )
+            max((min(value[j], prefix[i] - prefix[j]) for j in range(k - 1, i) if allowed(j, i)), default=-inf)
             if i >= k
             else -inf
             for i in range(n + 1)
@@ -157,22 +249,18 @@ def _largest_smallest_stage(prefix: Sequence[float], num_stages: int, high: floa
     return value[n]
 
 
-def _earliest_cuts_from_the_end(prefix: Sequence[float], num_stages: int, low: float, high: float) -> list[int]:
-    """The cut with every stage cost in [low, high] whose cut points, from the last, are smallest."""
+def _earliest_cuts_from_the_end(prefix: Sequence[float], num_stages: int, allowed: Allowed) -> list[int]:
+    """The cut with every stage passing ``allowed`` whose cut points, from the last, are smallest."""
     n = len(prefix) - 1
-
-    def fits(j: int, i: int) -> bool:
-        return low <= prefix[i] - prefix[j] <= high
-
-    # feasible[k][i]: blocks[:i] can be cut into k stages, each costing within [low, high].
+    # feasible[k][i]: blocks[:i] can be cut into k stages that all pass.
     feasible = [[i == 0 for i in range(n + 1)]]
     for k in range(1, num_stages + 1):
         row = feasible[-1]
-        feasible.append([any(row[j] and fits(j, i) for j in range(k - 1, i)) for i in range(n + 1)])
+        feasible.append([any(row[j] and allowed(j, i) for j in range(k - 1, i)) for i in range(n + 1)])
     bounds = [n]
     for k in range(num_stages, 0, -1):
         i = bounds[-1]
-        bounds.append(next(j for j in range(k - 1, i) if feasible[k - 1][j] and fits(j, i)))
+        bounds.append(next(j for j in range(k - 1, i) if feasible[k - 1][j] and allowed(j, i)))
     return bounds[::-1]
 
 
@@ -181,8 +269,10 @@ def plan_stages(
     bounds: Sequence[int],
     param_counts: Sequence[int],
     seconds: Sequence[float] | None = None,
+    forward_seconds: Sequence[float] | None = None,
 ) -> list[StagePlan]:
-    """The report of a partition: blocks, parameter share and (when profiled) time per stage."""
+    """The report of a partition: blocks, parameter share and (when profiled) time per stage:
+    per block, ``seconds`` forward+backward and ``forward_seconds`` the forward alone."""
     total = sum(param_counts) or 1
     plans = []
     for index, (start, stop) in enumerate(zip(bounds, bounds[1:])):
@@ -194,6 +284,7 @@ def plan_stages(
                 params=params,
                 param_share=params / total,
                 seconds=None if seconds is None else sum(seconds[start:stop]),
+                forward_seconds=None if forward_seconds is None else sum(forward_seconds[start:stop]),
             )
         )
     return plans
@@ -206,8 +297,8 @@ def profile_blocks(
     device: torch.device | str = "cpu",
     repeats: int = 3,
     autocast_bf16: bool = False,
-) -> list[float]:
-    """Median forward+backward seconds of each block on ``device``, for one input ``sample``.
+) -> list[tuple[float, float]]:
+    """Median (forward, backward) seconds of each block on ``device``, for one input ``sample``.
 
     ``sample`` should be shaped like one micro-batch: per-sample cost is not constant in the
     batch size (small batches cost more per sample on CPU). Runs on a copy in train mode, so the
@@ -217,7 +308,7 @@ def profile_blocks(
     dtype = next(model.parameters()).dtype
     model = copy.deepcopy(model).to(device).train()
     x = sample.to(device=device, dtype=dtype) if sample.is_floating_point() else sample.to(device)
-    samples: list[list[float]] = [[] for _ in blocks]
+    samples: list[list[tuple[float, float]]] = [[] for _ in blocks]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
     for repeat in range(repeats + 1):
         h: Carry = x
@@ -228,13 +319,15 @@ def profile_blocks(
             start = time.perf_counter()
             with autocast:
                 out = block.forward_on(model, inp)
+            _synchronize(device)
+            forwarded = time.perf_counter()
             outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             _synchronize(device)
             if repeat > 0:
-                samples[index].append(time.perf_counter() - start)
+                samples[index].append((forwarded - start, time.perf_counter() - forwarded))
             h = out
-    return [statistics.median(s) for s in samples]
+    return [(statistics.median(f for f, _ in s), statistics.median(b for _, b in s)) for s in samples]
 
 
 def _leaf(carry: Carry, needs_grad: bool) -> Carry:

@@ -249,7 +249,9 @@ def print_placement(trainer: PipelineTrainer) -> None:
 
 
 def describe(plan) -> str:
-    seconds = f", {plan.seconds:.3f} s fwd+bwd" if plan.seconds is not None else ""
+    seconds = (
+        f", {plan.seconds:.3f} s fwd+bwd of which {plan.forward_seconds:.3f} s fwd" if plan.seconds is not None else ""
+    )
     return (
         f"stage {plan.index}: {plan.blocks[0]}..{plan.blocks[-1]} ({len(plan.blocks)} blocks, "
         f"{plan.params / 1e6:.2f}M params = {plan.param_share:.1%}{seconds})"

@@ -48,6 +48,8 @@ FORWARD, BACKWARD = "F", "B"
 FLAT_SCHEDULES = ("gpipe", "1f1b")
 INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "interleaved-zb")
 SCHEDULES = FLAT_SCHEDULES + INTERLEAVED_SCHEDULES
+# Every forward, then every backward: the step pays the slowest stage of each phase separately.
+FILL_DRAIN_SCHEDULES = ("gpipe",)
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:

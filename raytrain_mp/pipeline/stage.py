@@ -170,7 +170,7 @@ def configure_device(use_gpu: bool, num_cpus: int) -> torch.device:
 
 def profile_on_stage_device(
     model: nn.Module, blocks: list[Block], sample: Tensor, use_gpu: bool, num_cpus: int, autocast_bf16: bool
-) -> list[float]:
+) -> list[tuple[float, float]]:
     """``partition.profile_blocks`` on a rank's device; the body of the trainer's profiling task,
     whose process exits afterwards (so its allocator settings, ``keep_freed_memory``, go with it)."""
     device = configure_device(use_gpu, num_cpus)

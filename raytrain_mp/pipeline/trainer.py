@@ -55,12 +55,13 @@ from raytrain_mp.pipeline.partition import (
     BALANCE_MODES,
     StagePlan,
     balance_bounds,
+    balance_fill_drain_bounds,
     check_stage_count,
     plan_stages,
     split_bounds,
 )
 from raytrain_mp.pipeline.replicas import check_replicas, global_rank, replica_and_stage, replica_nodes, replica_shares
-from raytrain_mp.pipeline.schedule import check_schedule
+from raytrain_mp.pipeline.schedule import FILL_DRAIN_SCHEDULES, check_schedule
 from raytrain_mp.pipeline.stage import StageConfig, StageWorker, check_optimizer, profile_on_stage_device
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -204,9 +205,10 @@ class PipelineTrainer:
     ``virtual_stages`` V > 1 (interleaved schedules) cuts the model into ``num_stages * V`` parts
     and rank r holds parts r, r + num_stages, ...; ``split_points`` then names ``num_stages * V - 1``
     cuts. Partition: ``split_points`` (block names to cut before, e.g. ``["layer3"]``), or
-    ``balance`` ``"params"`` (equal parameter counts) or ``"time"`` (equal forward+backward seconds,
-    profiled on one rank's device with the first micro-batch of ``sample_input``). Neither means
-    ``"params"``. ``use_gpu=None`` uses GPUs when the Ray cluster has one for each rank (NCCL between
+    ``balance`` ``"params"`` (equal parameter counts) or ``"time"`` (seconds profiled on one rank's
+    device with the first micro-batch of ``sample_input``: equal forward+backward seconds, or for
+    ``schedule="gpipe"`` the least largest forward plus largest backward, what its step pays; the
+    cut stays when ``set_schedule`` changes the schedule). Neither means ``"params"``. ``use_gpu=None`` uses GPUs when the Ray cluster has one for each rank (NCCL between
     them; gloo between CPU ranks), else CPUs. A receive that waits longer than ``p2p_timeout_s`` fails the step.
 
     The model itself is left untouched: every rank works on a copy. When Ray is not initialized
@@ -290,12 +292,16 @@ class PipelineTrainer:
         ]
         try:
             self._wait_for_placement(bundle, placement_strategy)
-            seconds = None
+            seconds = forward = None
             if balance == "time":
                 sample = sample_input[: -(-len(sample_input) // num_microbatches)]  # the first micro-batch
-                seconds = self._profile(model, blocks, sample, cpus_per_stage, autocast_bf16)
-                bounds = balance_bounds(seconds, parts)
-            self.plan: list[StagePlan] = plan_stages(names, bounds, params, seconds)
+                forward, backward = zip(*self._profile(model, blocks, sample, cpus_per_stage, autocast_bf16))
+                seconds = [f + b for f, b in zip(forward, backward)]
+                # GPipe's step pays its slowest stage's forward and its slowest stage's backward
+                # (balance_fill_drain_bounds); the other schedules alternate the two phases.
+                fill_drain = self.schedule in FILL_DRAIN_SCHEDULES and virtual_stages == 1
+                bounds = balance_fill_drain_bounds(forward, backward, parts) if fill_drain else balance_bounds(seconds, parts)
+            self.plan: list[StagePlan] = plan_stages(names, bounds, params, seconds, forward)
             pieces = [StageModule(model, blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
             held = [pieces[rank::num_stages] for rank in range(num_stages)]  # rank r: parts r, r + S, ...
             self._stage_keys = [[key for piece in modules for key in piece.state_dict()] for modules in held]
@@ -346,7 +352,7 @@ class PipelineTrainer:
 
     def _profile(
         self, model: nn.Module, blocks: list[Block], sample: Tensor, cpus: int, autocast_bf16: bool
-    ) -> list[float]:
+    ) -> list[tuple[float, float]]:
         # Profile where rank 0 will run, before its actor takes the bundle: the target device.
         # max_calls=1: the task's worker exits afterwards, so it holds no CUDA context on the GPU and its
         # allocator settings (allocator.keep_freed_memory) die with it.

@@ -33,12 +33,12 @@ def figures(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
 
 def assert_figures_positive(results: dict) -> None:
     """Every measured figure (settings and machine aside) is a finite number, positive unless it is
-    a fraction that may be zero; only an unprofiled stage's ``seconds`` may be None."""
+    a fraction that may be zero; only an unprofiled stage's ``seconds`` and ``forward_seconds`` may be None."""
     measured = {k: v for k, v in results.items() if k not in ("settings", "machine")}
     checked = 0
     for path, value in figures(measured):
         if value is None:
-            assert path.endswith(".seconds") and ".plan[" in path, path
+            assert path.endswith((".seconds", ".forward_seconds")) and ".plan[" in path, path
             continue
         assert isinstance(value, (int, float)) and math.isfinite(value), (path, value)
         assert value >= 0 if any(tag in path for tag in MAY_BE_ZERO) else value > 0, (path, value)
