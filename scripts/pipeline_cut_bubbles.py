@@ -10,8 +10,9 @@ picks; this measures the cuts around it on ``bench pipeline``'s ResNet-50 setup 
 can be checked against what the running stages do. Every round runs every split point in turn
 (a ``PipelineTrainer`` each, one warm-up step, then ``--steps`` timed ones), so a shared machine's
 drift falls on all of them. Prints one JSON object: per split point, the per-round medians of
-each stage's busy seconds, of the bubble fraction, of the step's wall seconds, and the bubble a
-perfect runtime would show with those busy times (``schedule.bubble_for_stage_times``).
+each stage's busy seconds and forward busy seconds, of the bubble fraction, of the step's wall
+seconds, and the bubble a perfect runtime would show with those busy times
+(``schedule.bubble_for_stage_times``, GPipe's phases apart).
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ def measure(model: Any, x: Any, y: Any, point: str, m: int, steps: int) -> dict[
             trainer.train_step(x, y)
             stats.append(trainer.stats(reset=True))
     busy = [statistics.median(s["busy_seconds"][stage] for s in stats) for stage in range(2)]
+    forward = [statistics.median(s["forward_busy_seconds"][stage] for s in stats) for stage in range(2)]
     return {
         "busy_seconds": busy,
+        "forward_busy_seconds": forward,
         "bubble_fraction": statistics.median(s["bubble_fraction"] for s in stats),
         "wall_seconds": statistics.median(s["wall_seconds"] for s in stats),
-        "bubble_for_stage_times": bubble_for_stage_times(busy, m),
+        "bubble_for_stage_times": bubble_for_stage_times(busy, m, forward),
     }
 
 

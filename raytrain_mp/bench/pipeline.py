@@ -67,8 +67,9 @@ Invariants:
   ``train_step``, ``stats``, ``shutdown``).
 - The measured bubble fraction (``PipelineTrainer.stats``) sits next to the schedule's ideal
   bubble (``schedule.ideal_bubble``) and, for GPipe and 1F1B, the bubble a perfect runtime would
-  show with the measured stage times (``schedule.bubble_for_stage_times``: the stages are rarely
-  equal on a CPU, where per-sample cost depends on the micro-batch size); peak activation memory per stage is the largest number of micro-batches a stage
+  show with the measured stage times (``schedule.bubble_for_stage_times``, for GPipe with each
+  stage's forward and backward apart: the stages are rarely equal on a CPU, where per-sample cost
+  depends on the micro-batch size); peak activation memory per stage is the largest number of micro-batches a stage
   holds under the schedule times the bytes autograd saves for one micro-batch in that stage
   (measured with ``saved_tensors_hooks`` in the driver, parameters excluded).
 """
@@ -109,6 +110,7 @@ from raytrain_mp.pipeline import (
     split_batch,
 )
 from raytrain_mp.pipeline.schedule import (
+    FILL_DRAIN_SCHEDULES,
     FLAT_SCHEDULES,
     FORWARD,
     INTERLEAVED_SCHEDULES,
@@ -308,6 +310,7 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
     queued, queued_bubbles = queued_steps(trainer, x, y, sweep)
     progress(f"{sweep.label}{schedule} m={m}, {sweep.steps_per_call} step(s) a call, queued", summarize(queued), sweep.unit)
     busy = [summarize(per_stage) for per_stage in zip(*(s["busy_seconds"] for s in measured))]
+    forward_busy = [summarize(per_stage) for per_stage in zip(*(s["forward_busy_seconds"] for s in measured))]
     samples = {
         "step_seconds": seconds,
         "queued_step_seconds": queued,
@@ -320,13 +323,17 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
         "microbatches": m,
         **{figure: summarize(values) for figure, values in samples.items()},
         "busy_seconds": busy,
+        "forward_busy_seconds": forward_busy,
         "samples": samples,
     }
     # With replicas, busy has one entry per actor; the formulas are about one pipeline (replica 0's).
     if schedule in FORMULA_SCHEDULES:
         run["bubble_formula"] = ideal_bubble(schedule, trainer.num_stages, m, trainer.virtual_stages)
     if schedule in FLAT_SCHEDULES:
-        run["bubble_for_stage_times"] = bubble_for_stage_times([b["median"] for b in busy[: trainer.num_stages]], m)
+        stage_busy = [b["median"] for b in busy[: trainer.num_stages]]
+        # GPipe's phases count apart (each pays its own slowest stage); 1F1B alternates them.
+        forward = [f["median"] for f in forward_busy[: trainer.num_stages]] if schedule in FILL_DRAIN_SCHEDULES else None
+        run["bubble_for_stage_times"] = bubble_for_stage_times(stage_busy, m, forward)
     return run
 
 

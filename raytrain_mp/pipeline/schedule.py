@@ -179,13 +179,22 @@ def format_ticks(ticks: list[list[tuple[int, Op]]], num_stages: int) -> str:
     return "\n".join(row.rstrip() for row in rows)
 
 
-def bubble_for_stage_times(busy_seconds: Sequence[float], num_microbatches: int) -> float:
-    """GPipe's idle share when stage s computes ``busy_seconds[s]`` per step (forward and backward
-    in the same proportion) and communication is free: the step takes one micro-batch through
-    every stage plus m - 1 micro-batches of the slowest, sum(t)/m + (m-1)/m * max(t). Equal stages
-    give ``ideal_bubble``; measured busy times give what a perfect runtime would show with these
-    stages, so the measured bubble minus this is the runtime's own cost. 1F1B fills and drains
-    the same way, so it holds for 1F1B to first order."""
+def bubble_for_stage_times(
+    busy_seconds: Sequence[float], num_microbatches: int, forward_seconds: Sequence[float] | None = None
+) -> float:
+    """GPipe's idle share when stage s computes ``busy_seconds[s]`` per step and communication is
+    free: what a perfect runtime would show with these stages, so the measured bubble minus this
+    is the runtime's own cost. Equal stages give ``ideal_bubble``.
+
+    Without ``forward_seconds`` (forward and backward in the same proportion on every stage) the
+    step takes one micro-batch through every stage plus m - 1 micro-batches of the slowest,
+    sum(t)/m + (m-1)/m * max(t); 1F1B fills and drains the same way, so it holds for 1F1B to first
+    order. With ``forward_seconds[s]``, the forward part of ``busy_seconds[s]``, GPipe's phases count
+    apart (each is a flow shop of identical jobs): sum(t)/m + (m-1)/m * (max(f) + max(t - f))."""
     m = num_microbatches
-    step = sum(busy_seconds) / m + (m - 1) / m * max(busy_seconds)
+    if forward_seconds is None:
+        slowest = max(busy_seconds)
+    else:
+        slowest = max(forward_seconds) + max(t - f for t, f in zip(busy_seconds, forward_seconds))
+    step = sum(busy_seconds) / m + (m - 1) / m * slowest
     return 1 - sum(busy_seconds) / (len(busy_seconds) * step)

@@ -191,10 +191,12 @@ class _Autocast(nn.Module):
 
 
 class _TimedStage(PipelineStage):
-    """``PipelineStage`` that adds the seconds its forwards and backwards compute to ``busy`` and
-    can take a step's receives posted ahead of it (``post_receives``)."""
+    """``PipelineStage`` that adds the seconds its forwards and backwards compute to ``busy`` (those
+    of its forwards also to ``forward_busy``) and can take a step's receives posted ahead of it
+    (``post_receives``)."""
 
     busy = 0.0
+    forward_busy = 0.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -237,7 +239,10 @@ class _TimedStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         self._received("forward", fwd_chunk_id)
-        return self._timed(super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
+        busy = self.busy
+        result = self._timed(super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
+        self.forward_busy += self.busy - busy
+        return result
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         self._received("backward", bwd_chunk_id)
@@ -282,7 +287,6 @@ class StageWorker:
         self._post_ahead: tuple[str, ...] = ()
         self._receives_posted_ahead = 0
         self._loss_scale = 1.0
-        self._busy = 0.0
 
     # -- process group ---------------------------------------------------------------------------
 
@@ -429,12 +433,12 @@ class StageWorker:
         targets: Tensor | None,
         max_norm: float | None = None,
         lr: float | None = None,
-    ) -> tuple[float | None, float, float]:
+    ) -> tuple[float | None, float, float, float]:
         """One optimizer step: the schedule's forwards and backwards over the batch, clipping, the
         update. Rank 0 gets ``inputs``, the last rank ``targets`` (None elsewhere): this replica's
         share of the step's batch. Returns (on the last rank this replica's share of the global batch
-        mean loss, else None; the seconds this rank computed; the seconds this call took, computing
-        and waiting for its peers). ``lr``, when given, is the step's learning rate (a per-step
+        mean loss, else None; the seconds this rank computed; of which in forwards; the seconds this
+        call took, computing and waiting for its peers). ``lr``, when given, is the step's learning rate (a per-step
         schedule sets it in the step's own call rather than in one more call per step)."""
         called = time.perf_counter()
         if lr is not None:
@@ -471,10 +475,11 @@ class StageWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         busy = sum(stage.busy for stage in self._stages) + time.perf_counter() - start
+        forward_busy = sum(stage.forward_busy for stage in self._stages)
         for stage in self._stages:
-            stage.busy = 0.0
+            stage.busy = stage.forward_busy = 0.0
         loss = float(sum(loss.item() for loss in losses)) if self.holds_last else None
-        return loss, busy, time.perf_counter() - called
+        return loss, busy, forward_busy, time.perf_counter() - called
 
     def train_steps(
         self,
@@ -485,7 +490,7 @@ class StageWorker:
         targets: Sequence[np.ndarray | Tensor] | None,
         max_norm: float | None,
         lrs: Sequence[float | None],
-    ) -> list[tuple[float | None, float, float]]:
+    ) -> list[tuple[float | None, float, float, float]]:
         """``train_step`` for each of the call's steps in order (one Ray call for several steps:
         the ranks stay in step with each other between them); ``inputs``/``targets`` hold a batch
         per step on the ranks that take them, as ``handoff.to_wire`` sent them."""

@@ -477,11 +477,13 @@ class PipelineTrainer:
         """Wait for a submitted call and return its steps' losses. Its time counts from when the
         ranks could start it (its submission, or the end of the call before it when that came
         later), shared evenly by its steps."""
-        results = self._gather(refs, first)  # per actor, a (loss, busy, took) per step
+        results = self._gather(refs, first)  # per actor, a (loss, busy, forward busy, took) per step
         now = time.perf_counter()
         wall = (now - max(submitted, self._last_finish)) / steps
         for i in range(steps):
-            self._record(wall, [actor[i][1] for actor in results], max(actor[i][2] for actor in results))
+            self._record(
+                wall, [actor[i][1] for actor in results], [actor[i][2] for actor in results], max(actor[i][3] for actor in results)
+            )
         self._last_finish = now
         self._queued -= steps
         self.steps_done = first + steps - 1
@@ -503,18 +505,20 @@ class PipelineTrainer:
         self._in_ranks = 0.0
         self._steps = 0
         self._busy = [0.0] * (self.num_replicas * self.num_stages)
+        self._forward_busy = [0.0] * (self.num_replicas * self.num_stages)
 
-    def _record(self, wall: float, busy: Sequence[float], in_ranks: float) -> None:
+    def _record(self, wall: float, busy: Sequence[float], forward_busy: Sequence[float], in_ranks: float) -> None:
         self._wall += wall
         self._in_ranks += in_ranks
         self._steps += 1
         self._busy = [total + seconds for total, seconds in zip(self._busy, busy)]
+        self._forward_busy = [total + seconds for total, seconds in zip(self._forward_busy, forward_busy)]
 
     def stats(self, reset: bool = True) -> dict[str, Any]:
         """Timing of the train steps since the last reset.
 
         ``busy_seconds[i]``: seconds actor i (stage i % S of replica i // S) computed (forwards,
-        backwards, optimizer step). ``bubble_fraction``: ``1 - sum(busy) / (actors * wall_seconds)``,
+        backwards, optimizer step); ``forward_busy_seconds[i]``: of those, its forwards'. ``bubble_fraction``: ``1 - sum(busy) / (actors * wall_seconds)``,
         the share of the actors' time spent waiting — pipeline fill and drain, transfers, the
         replicas' all-reduces, Ray and driver overhead.
         ``rank_seconds_per_step``: the longest time a rank's step call took inside the rank, what a
@@ -527,6 +531,7 @@ class PipelineTrainer:
             "seconds_per_step": wall / self._steps if self._steps else 0.0,
             "rank_seconds_per_step": self._in_ranks / self._steps if self._steps else 0.0,
             "busy_seconds": list(self._busy),
+            "forward_busy_seconds": list(self._forward_busy),
             "bubble_fraction": 1 - sum(self._busy) / (len(self._busy) * wall) if wall > 0 else 0.0,
         }
         if reset:

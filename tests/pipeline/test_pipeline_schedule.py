@@ -159,3 +159,10 @@ def test_bubble_for_stage_times() -> None:
             assert sched.bubble_for_stage_times([2.0] * stages, m) == pytest.approx(sched.ideal_bubble("gpipe", stages, m))
     # one slow stage: 8 micro-batches take 1/8 + 2/8 + 7/8 * 2 = 2.125 s; busy 3 of 2 * 2.125
     assert sched.bubble_for_stage_times([1.0, 2.0], 8) == pytest.approx(1 - 3 / 4.25)
+    # Forwards in the same proportion on every stage: the same figure.
+    assert sched.bubble_for_stage_times([1.0, 2.0], 8, [0.25, 0.5]) == pytest.approx(1 - 3 / 4.25)
+    # Stage 0 forward-heavy, stage 1 backward-heavy, equal totals: the plain formula sees balanced
+    # stages, GPipe's phases do not. Per micro-batch f = (0.075, 0.05), b = (0.05, 0.075): the step
+    # is 0.25 for the first micro-batch plus 7 x (0.075 + 0.075).
+    assert sched.bubble_for_stage_times([1.0, 1.0], 8) == pytest.approx(sched.ideal_bubble("gpipe", 2, 8))
+    assert sched.bubble_for_stage_times([1.0, 1.0], 8, [0.6, 0.4]) == pytest.approx(1 - 2 / (2 * (0.25 + 7 * 0.15)))

@@ -201,6 +201,7 @@ class TestAgainstGradientAccumulation:
         stats = trainer.stats()
         assert stats["steps"] == 1 and len(stats["busy_seconds"]) == trainer.num_stages
         assert all(seconds > 0 for seconds in stats["busy_seconds"])
+        assert all(0 < forward < busy for forward, busy in zip(stats["forward_busy_seconds"], stats["busy_seconds"]))
         assert stats["bubble_fraction"] < 1
         assert trainer.stats()["steps"] == 0
         done = trainer.steps_done
