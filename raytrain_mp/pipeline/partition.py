@@ -152,17 +152,17 @@ def balance_fill_drain_bounds(
     _check_negligible(negligible)
     pf, pb = [0.0, *accumulate(forward)], [0.0, *accumulate(backward)]
     size = [0.0, *accumulate(f + b for f, b in zip(forward, backward))]
-    caps = sorted({pf[i] - pf[j] for i in range(n + 1) for j in range(i)})
     floor = negligible * size[n]
+    # Every cut's largest F is one of these caps, and at least least_forward; its largest B is at
+    # least least_backward.
+    least_forward = _smallest_bottleneck(pf, num_stages, _anything)
+    least_backward = _smallest_bottleneck(pb, num_stages, _anything)
+    caps = sorted(c for c in {pf[i] - pf[j] for i in range(n + 1) for j in range(i)} if c >= least_forward)
 
     def smallest_score(allowed: Allowed) -> float:
         """Smallest J over cuts whose stages all pass ``allowed``."""
-        least_forward = _smallest_bottleneck(pf, num_stages, allowed)
-        least_backward = _smallest_bottleneck(pb, num_stages, allowed)
         best = inf
         for cap in caps:
-            if cap < least_forward:
-                continue  # no such cut has every stage's F <= cap
             if cap + least_backward >= best:
                 break  # J >= cap + least_backward from here on
             best = min(best, cap + _smallest_bottleneck(pb, num_stages, _both(allowed, _at_most(pf, cap))))
@@ -172,13 +172,11 @@ def balance_fill_drain_bounds(
     without_negligible = smallest_score(_at_least(size, floor))
     target = without_negligible if without_negligible <= best + floor else best
     # The cuts with J <= target, as the union over caps on F of those whose every stage has F <= cap
-    # and cap + B <= target. A cut's own largest F is such a cap, within [least F, target - least B].
-    least_forward = _smallest_bottleneck(pf, num_stages, _anything)
-    least_backward = _smallest_bottleneck(pb, num_stages, _anything)
+    # and cap + B <= target: a cut's own largest F is such a cap.
     boxes = [
         _both(_at_most(pf, cap), _within_score(pb, cap, target))
         for cap in caps
-        if least_forward <= cap and cap + least_backward <= target
+        if cap + least_backward <= target
     ]
     smallest_of_box = [_largest_smallest_stage(size, num_stages, box) for box in boxes]
     smallest = max(smallest_of_box)
