@@ -69,9 +69,10 @@ Invariants:
   bubble (``schedule.ideal_bubble``) and, for GPipe and 1F1B, the bubble a perfect runtime would
   show with the measured stage times (``schedule.bubble_for_stage_times``, for GPipe with each
   stage's forward and backward apart: the stages are rarely equal on a CPU, where per-sample cost
-  depends on the micro-batch size); peak activation memory per stage is the largest number of micro-batches a stage
-  holds under the schedule times the bytes autograd saves for one micro-batch in that stage
-  (measured with ``saved_tensors_hooks`` in the driver, parameters excluded).
+  depends on the micro-batch size); peak activation memory per stage is the largest number of
+  micro-batches a stage holds under the schedule times the bytes autograd saves for one
+  micro-batch in that stage (measured with ``saved_tensors_hooks`` in the driver, parameters
+  excluded).
 """
 
 from __future__ import annotations

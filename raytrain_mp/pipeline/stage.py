@@ -438,8 +438,9 @@ class StageWorker:
         update. Rank 0 gets ``inputs``, the last rank ``targets`` (None elsewhere): this replica's
         share of the step's batch. Returns (on the last rank this replica's share of the global batch
         mean loss, else None; the seconds this rank computed; of which in forwards; the seconds this
-        call took, computing and waiting for its peers). ``lr``, when given, is the step's learning rate (a per-step
-        schedule sets it in the step's own call rather than in one more call per step)."""
+        call took, computing and waiting for its peers). ``lr``, when given, is the step's learning
+        rate (a per-step schedule sets it in the step's own call rather than in one more call per
+        step)."""
         called = time.perf_counter()
         if lr is not None:
             self.set_lr(lr)

@@ -208,8 +208,9 @@ class PipelineTrainer:
     ``balance`` ``"params"`` (equal parameter counts) or ``"time"`` (seconds profiled on one rank's
     device with the first micro-batch of ``sample_input``: equal forward+backward seconds, or for
     ``schedule="gpipe"`` the least largest forward plus largest backward, what its step pays; the
-    cut stays when ``set_schedule`` changes the schedule). Neither means ``"params"``. ``use_gpu=None`` uses GPUs when the Ray cluster has one for each rank (NCCL between
-    them; gloo between CPU ranks), else CPUs. A receive that waits longer than ``p2p_timeout_s`` fails the step.
+    cut stays when ``set_schedule`` changes the schedule). Neither means ``"params"``.
+    ``use_gpu=None`` uses GPUs when the Ray cluster has one for each rank (NCCL between them; gloo
+    between CPU ranks), else CPUs. A receive that waits longer than ``p2p_timeout_s`` fails the step.
 
     The model itself is left untouched: every rank works on a copy. When Ray is not initialized
     yet, joins ``RAY_ADDRESS`` if set (one error line if nothing answers there) and otherwise
