@@ -300,7 +300,8 @@ class PipelineTrainer:
                 seconds = [f + b for f, b in zip(forward, backward)]
                 # GPipe's step pays its slowest stage's forward and its slowest stage's backward
                 # (balance_fill_drain_bounds); the other schedules alternate the two phases.
-                fill_drain = self.schedule in FILL_DRAIN_SCHEDULES and virtual_stages == 1
+                # (set_schedule above refused GPipe with virtual stages.)
+                fill_drain = self.schedule in FILL_DRAIN_SCHEDULES
                 bounds = balance_fill_drain_bounds(forward, backward, parts) if fill_drain else balance_bounds(seconds, parts)
             self.plan: list[StagePlan] = plan_stages(names, bounds, params, seconds, forward)
             pieces = [StageModule(model, blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
