@@ -59,7 +59,7 @@ FIELD_GROUPS = {
                      "resume"), "checkpoints"),
     **dict.fromkeys(("base_lrs", "lr_min", "lr_max", "global_batch_sizes", "optimizers", "warmup_epochs_grid",
                      "scheduler", "metric", "grace_period", "reduction_factor", "max_concurrent_trials"), "sweep"),
-    **dict.fromkeys(("steps", "warmup", "repeats", "hybrid", "hybrid_workers", "hybrid_microbatches"), "benchmark"),
+    **dict.fromkeys(("steps", "warmup", "resnet_rounds", "repeats", "hybrid", "hybrid_workers", "hybrid_microbatches"), "benchmark"),
     **dict.fromkeys(("out", "log_every", "verbose", "inject_fault", "hold_at_step"), "output"),
 }  # fmt: skip
 

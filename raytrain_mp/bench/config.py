@@ -88,8 +88,11 @@ class BenchPipelineConfig:
     balanced: bool = option(True, "also run time-balanced stages (GPipe only)")
     interleaved: bool = option(True, "also run time-balanced stages, 2 per actor, with interleaved 1F1B")
     balance_microbatches: int = option(8, "balanced stages are profiled on a micro-batch of global-batch-size / this")
-    steps: int = option(3, "timed steps per figure")
+    steps: int = option(3, "timed steps per figure (and round, on the seeds' split)")
     warmup: int = option(1, "untimed steps before each figure")
+    resnet_rounds: int = option(
+        3, "rounds of ours then native on the seeds' split, pooled (drift of a shared machine's speed then hits both alike)"
+    )
     seed: int = option(0, "seed of the model and the random batch")
     overhead: bool = option(True, "also time the overhead-bound case: a tiny MLP whose compute is negligible, ours vs native", group="benchmark")
     overhead_batch_size: int = option(64, "overhead case: samples per step of the MLP", group="benchmark")
@@ -142,6 +145,7 @@ class BenchPipelineConfig:
         )
         check(self.overhead_steps >= 1, "overhead_steps", f"must be >= 1, got {self.overhead_steps}")
         check(self.overhead_steps_per_call >= 1, "overhead_steps_per_call", f"must be >= 1, got {self.overhead_steps_per_call}")
+        check(self.resnet_rounds >= 1, "resnet_rounds", f"must be >= 1, got {self.resnet_rounds}")
         check(self.overhead_rounds >= 1, "overhead_rounds", f"must be >= 1, got {self.overhead_rounds}")
         check(self.hybrid_workers >= 1, "hybrid_workers", f"must be >= 1, got {self.hybrid_workers}")
         check(

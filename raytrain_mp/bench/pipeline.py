@@ -19,9 +19,12 @@ overhead case):
   ``--cpus-per-stage`` threads (gloo on CPU, NCCL with a GPU per rank), the seeds'-split stages
   wrapped in ``torch.distributed.pipelining.PipelineStage`` and run by ``ScheduleGPipe`` and
   ``Schedule1F1B`` over the same m (``results["native"]``; a (schedule, m) the API refuses, such
-  as 1F1B with m < stages, is listed under ``skipped`` with the reason). ``summary.ours_over_native``
+  as 1F1B with m < stages, is listed under ``skipped`` with the reason). Ours and native on the
+  seeds' split run ``--resnet-rounds`` times in turn (ours, then native), each side's steps
+  pooled (``seeds_split_rounds``; ``round_medians`` per point). ``summary.ours_over_native``
   is, per schedule and m, native median step seconds / ours on the seeds' split (>1: ours is
-  faster). A failing torchrun fails the benchmark.
+  faster), and ``ours_over_native_by_round`` the same ratio round by round. A failing torchrun
+  fails the benchmark.
 - the overhead case (``--overhead``, on by default): a seeded MLP whose compute is negligible
   (``seeded_mlp``: 32 features, 64 hidden, 10 classes, 3 Linear layers, one pipeline block each;
   more when stages x virtual stages need more), batch ``--overhead-batch-size``, cut evenly into
@@ -53,8 +56,9 @@ GPUs than stages it is one error line before anything runs. The references run i
 that exits before the pipelines start, so their CUDA context and cached memory leave GPU 0.
 
 Invariants:
-- Every step time is the median of ``--steps`` timed steps after ``--warmup`` untimed ones, with
-  min and max (``bench.common``); every variant starts from the same seeded model and batch.
+- Every step time is the median of ``--steps`` timed steps after ``--warmup`` untimed ones (of
+  the rounds' steps pooled where a case runs in rounds), with min and max (``bench.common``);
+  every variant starts from the same seeded model and batch.
 - A layout's stages start once and the sweep changes only the schedule and m
   (``PipelineTrainer.set_schedule``), so actor start-up and profiling are never timed; the native
   ranks likewise build their model once, and their first step of each (schedule, m), which infers
@@ -511,26 +515,44 @@ def native_runs(cfg: BenchPipelineConfig, cases: dict[str, dict[str, Any]]) -> d
 
 
 def native_resnet(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """``results["native"]``: torch's GPipe and 1F1B on the stages of ``plan`` (the seeds' split)."""
-    native = native_runs(cfg, {"resnet": resnet_case(cfg, plan)})["resnet"]
-    for run in native["runs"]:
-        run["samples_per_second"] = cfg.global_batch_size / run["step_seconds"]["median"]
-    return {**native, "split": "fixed"}
+    """One round of ``results["native"]``: torch's GPipe and 1F1B on the stages of ``plan`` (the seeds' split)."""
+    return {**native_runs(cfg, {"resnet": resnet_case(cfg, plan)})["resnet"], "split": "fixed"}
 
 
 def pooled(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The runs of several rounds of one sweep (the same points in the same order) as one: per
-    point, each figure of its ``samples`` pooled over the rounds and summarized, and its per-round
-    medians under ``round_medians``."""
+    point, each figure of its ``samples`` pooled over the rounds (``samples`` then holds every
+    round's) and summarized, its per-round medians under ``round_medians``, and the first round's
+    other entries (busy seconds per stage, activation memory: figures measured once a point)."""
     runs = []
     for same in zip(*rounds, strict=True):
         samples = {figure: [value for run in same for value in run["samples"][figure]] for figure in same[0]["samples"]}
-        point = {key: same[0][key] for key in ("schedule", "microbatches", "virtual_stages", "bubble_formula") if key in same[0]}
+        first = {key: value for key, value in same[0].items() if key not in samples}
         runs.append({
-            **point, **{figure: summarize(values) for figure, values in samples.items()},
+            **first, **{figure: summarize(values) for figure, values in samples.items()}, "samples": samples,
             "round_medians": {figure: [run[figure]["median"] for run in same] for figure in samples},
         })  # fmt: skip
     return runs
+
+
+def seeds_split_rounds(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ours, native) on the seeds' split (``layout_runs``, ``native_resnet``), ``--resnet-rounds``
+    times in turn (ours, then native), each side's runs ``pooled``: the ratio of the two is the
+    headline of ours against torch, and on a shared machine a single pass of each lets the drift
+    between them fall on one side."""
+    ours, native = [], []
+    for round_ in range(cfg.resnet_rounds):
+        print(f"seeds' split, round {round_ + 1} of {cfg.resnet_rounds}", flush=True)
+        ours.append(layout_runs(cfg, model, x, y, cfg.split_points, cfg.sweep))
+        native.append(native_resnet(cfg, ours[-1]["plan"]))
+
+    def one(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+        runs = pooled([side["runs"] for side in rounds])
+        for run in runs:
+            run["samples_per_second"] = cfg.global_batch_size / run["step_seconds"]["median"]
+        return {**rounds[0], "runs": runs}
+
+    return one(ours), one(native)
 
 
 def overhead_rounds(cfg: BenchPipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -577,17 +599,22 @@ def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: d
     }
     ours_over_native: dict[str, dict[str, float]] = {}
     queued_over_native: dict[str, dict[str, float]] = {}
+    by_round: dict[str, dict[str, list[float]]] = {}
     for run in native["runs"]:
         ours = find_run(layouts["fixed"], run["schedule"], run["microbatches"])
         if ours is not None:
             native_seconds, m = run["step_seconds"]["median"], str(run["microbatches"])
             ours_over_native.setdefault(run["schedule"], {})[m] = native_seconds / ours["step_seconds"]["median"]
             queued_over_native.setdefault(run["schedule"], {})[m] = native_seconds / ours["queued_step_seconds"]["median"]
+            by_round.setdefault(run["schedule"], {})[m] = [
+                theirs / own for theirs, own in zip(run["round_medians"]["step_seconds"], ours["round_medians"]["step_seconds"])
+            ]
     _, native_best = best_run({"native": native})
     result["best_native"] = {"schedule": native_best["schedule"], "microbatches": native_best["microbatches"]}
     result["best_native_seconds"] = native_best["step_seconds"]["median"]
     result["ours_over_native"] = ours_over_native
     result["ours_queued_over_native"] = queued_over_native
+    result["ours_over_native_by_round"] = by_round  # how far the pooled ratio moves with the machine's drift
     if "balanced" in layouts:
         # GPipe against GPipe: the balanced layout runs no 1F1B.
         fixed_best = min(r["step_seconds"]["median"] for r in layouts["fixed"]["runs"] if r["schedule"] == "gpipe")
@@ -735,8 +762,8 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     model, x, y = seeded_setup(cfg.model, cfg.num_classes, cfg.image_size, cfg.global_batch_size, cfg.seed)
 
     local = in_fresh_process(one_process, cfg, model, x, y)
-    layouts = {"fixed": layout_runs(cfg, model, x, y, cfg.split_points, cfg.sweep)}
-    native = native_resnet(cfg, layouts["fixed"]["plan"])  # right after ours on the same split
+    fixed, native = seeds_split_rounds(cfg, model, x, y)
+    layouts = {"fixed": fixed}
     overhead = overhead_rounds(cfg) if cfg.overhead else None
     hybrid = hybrid_runs(cfg, model, x, y) if cfg.hybrid else None
     if cfg.balanced:

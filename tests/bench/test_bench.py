@@ -65,7 +65,7 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
         "bench", "pipeline", "--no-use-gpu", "--out", str(out), "--model", "resnet18", "--image-size", "16",
         "--global-batch-size", "8", "--microbatches", "1,2", "--steps", "1", "--warmup", "0", "--threads", "1",
         "--overhead-microbatches", "8,1", "--overhead-steps", "2", "--overhead-schedules", "gpipe,1f1b,interleaved-1f1b",
-        "--overhead-rounds", "2",
+        "--overhead-rounds", "2", "--resnet-rounds", "2",
     )  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert summary["results"] == str(out / "results.json")
@@ -91,6 +91,8 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
         for run in layout["runs"]:
             assert_spread(run["step_seconds"])
             assert_spread(run["queued_step_seconds"])
+            # the seeds' split runs in --resnet-rounds 2 against native, its --steps 1 pooled
+            assert len(run["samples"]["step_seconds"]) == len(run.get("round_medians", {}).get("step_seconds", [0])) == (2 if name == "fixed" else 1)
             assert 0 <= run["queued_bubble_fraction"]["min"] and run["queued_bubble_fraction"]["max"] < 1
             assert len(run["busy_seconds"]) == 2
             assert len(run.get("peak_activation_bytes", [0, 0])) == 2 and ("peak_activation_bytes" in run) == (virtual == 1)
@@ -183,9 +185,11 @@ def assert_native(results: dict) -> None:
     measured = {(r["schedule"], r["microbatches"]) for r in native["runs"]}
     assert measured == {("gpipe", 1), ("gpipe", 2), ("1f1b", 2)}
     for run in native["runs"]:
-        assert set(run) == {"schedule", "microbatches", "step_seconds", "samples", "samples_per_second"}
+        assert set(run) == {"schedule", "microbatches", "step_seconds", "samples", "samples_per_second", "round_medians"}
         assert_spread(run["step_seconds"])
-        assert run["samples"]["step_seconds"] == [run["step_seconds"]["median"]]  # --steps 1
+        # --steps 1 in each of --resnet-rounds 2: the rounds' medians are the pooled samples
+        assert run["samples"]["step_seconds"] == run["round_medians"]["step_seconds"] and len(run["round_medians"]["step_seconds"]) == 2
+        assert run["samples_per_second"] == pytest.approx(8 / run["step_seconds"]["median"])
     (skip,) = native["skipped"]
     assert (skip["schedule"], skip["microbatches"]) == ("1f1b", 1) and "stages" in skip["reason"]
     summary = results["summary"]
@@ -197,6 +201,9 @@ def assert_native(results: dict) -> None:
                 native_run = next(r for r in native["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
                 ours = next(r for r in results["layouts"]["fixed"]["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
                 assert math.isclose(ratio, native_run["step_seconds"]["median"] / ours[figure]["median"])
+                if key == "ours_over_native":
+                    rounds = zip(native_run["round_medians"]["step_seconds"], ours["round_medians"]["step_seconds"], strict=True)
+                    assert summary["ours_over_native_by_round"][schedule][m] == [theirs / own for theirs, own in rounds]
     assert (summary["best_native"]["schedule"], summary["best_native"]["microbatches"]) in measured
     assert summary["best_native_seconds"] == min(r["step_seconds"]["median"] for r in native["runs"] if r["microbatches"] > 1)
 
@@ -265,6 +272,7 @@ def test_bench_bad_input(capsys, tmp_path):
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-batch-size", "0"), "--overhead-batch-size")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-steps", "0"), "--overhead-steps")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-rounds", "0"), "--overhead-rounds: must be >= 1, got 0")
+    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--resnet-rounds", "0"), "--resnet-rounds: must be >= 1, got 0")
     assert_usage_error(
         run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-schedules", "gpipe,zigzag"), "--overhead-schedules", "zigzag"
     )
@@ -315,10 +323,11 @@ def test_rounds_pool_each_points_samples_and_keep_the_rounds_medians():
     first = [run(2, [3.0, 1.0, 2.0], {"bubble_formula": 1 / 3, "busy_seconds": [1.0]}), run(4, [5.0], {})]
     second = [run(2, [9.0, 8.0, 7.0], {"bubble_formula": 1 / 3, "busy_seconds": [2.0]}), run(4, [6.0], {})]
     assert pooled([first, second]) == [
-        {"schedule": "gpipe", "microbatches": 2, "bubble_formula": 1 / 3,
-         "step_seconds": {"median": 5.0, "min": 1.0, "max": 9.0}, "round_medians": {"step_seconds": [2.0, 8.0]}},
-        {"schedule": "gpipe", "microbatches": 4,
-         "step_seconds": {"median": 5.5, "min": 5.0, "max": 6.0}, "round_medians": {"step_seconds": [5.0, 6.0]}},
+        {"schedule": "gpipe", "microbatches": 2, "bubble_formula": 1 / 3, "busy_seconds": [1.0],  # measured once: the first round's
+         "step_seconds": {"median": 5.0, "min": 1.0, "max": 9.0}, "samples": {"step_seconds": [3.0, 1.0, 2.0, 9.0, 8.0, 7.0]},
+         "round_medians": {"step_seconds": [2.0, 8.0]}},
+        {"schedule": "gpipe", "microbatches": 4, "step_seconds": {"median": 5.5, "min": 5.0, "max": 6.0},
+         "samples": {"step_seconds": [5.0, 6.0]}, "round_medians": {"step_seconds": [5.0, 6.0]}},
     ]  # fmt: skip
     with pytest.raises(ValueError):  # rounds that ran different points cannot be pooled
         pooled([first, second[:1]])
