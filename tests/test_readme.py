@@ -51,7 +51,7 @@ NOT_HERE = {
         "raytrain-mp tune --global-batch-sizes 32,64,128 --base-lrs 0.003125,0.00625 --base-batch 32 --lr-rule linear --scheduler none --epochs 3 --num-workers 1 --name rule-linear-low",
         "raytrain-mp tune --global-batch-sizes 32,64,128 --base-lrs 0.0125,0.025,0.05,0.1,0.2,0.4 --base-batch 32 --lr-rule none --scheduler none --epochs 3 --num-workers 1 --name rule-none",
     )},
-    "raytrain-mp bench pipeline --out docs/bench/pipeline": "12 minutes alone on 2 cores; its figures are committed in docs/bench",
+    "raytrain-mp bench pipeline --out docs/bench/pipeline": "26 minutes alone on 2 cores; its figures are committed in docs/bench",
     "raytrain-mp bench ddp --out docs/bench/ddp": "6.5 minutes alone on 2 cores; its figures are committed in docs/bench",
     "raytrain-mp bench data --out docs/bench/data": "minutes on 2 cores; its figures are committed in docs/bench",
 }  # fmt: skip
