@@ -54,7 +54,7 @@ FIELD_GROUPS = {
                      "grad_accum_steps", "clip_grad_norm", "lr", "seed"), "optimization"),
     **dict.fromkeys(("address", "num_workers", "resize_interval", "use_gpu", "cpus_per_worker", "placement", "stages", "replicas", "split_points",
                      "balance", "schedule", "virtual_stages", "microbatches", "steps_per_call", "cpus_per_stage", "bucket_cap_mb", "threads",
-                     "balanced", "interleaved", "balance_microbatches"), "distribution"),
+                     "balanced", "interleaved", "balance_microbatches", "balance_trials"), "distribution"),
     **dict.fromkeys(("storage_path", "name", "checkpoint_every", "checkpoint_every_steps", "num_to_keep", "max_failures", "resume_from",
                      "resume"), "checkpoints"),
     **dict.fromkeys(("base_lrs", "lr_min", "lr_max", "global_batch_sizes", "optimizers", "warmup_epochs_grid",

@@ -88,6 +88,10 @@ class BenchPipelineConfig:
     balanced: bool = option(True, "also run time-balanced stages (GPipe only)")
     interleaved: bool = option(True, "also run time-balanced stages, 2 per actor, with interleaved 1F1B")
     balance_microbatches: int = option(8, "balanced stages are profiled on a micro-batch of global-batch-size / this")
+    balance_trials: int = option(
+        3, "balanced stages: timed steps (at m = --balance-microbatches) on each cut the profile rates within 5 percent of its best; "
+        "the cut that waits least stays (0: the profile decides)"
+    )
     steps: int = option(3, "timed steps per figure (and round, on the seeds' split)")
     warmup: int = option(1, "untimed steps before each figure")
     resnet_rounds: int = option(
@@ -145,6 +149,12 @@ class BenchPipelineConfig:
         )
         check(self.overhead_steps >= 1, "overhead_steps", f"must be >= 1, got {self.overhead_steps}")
         check(self.overhead_steps_per_call >= 1, "overhead_steps_per_call", f"must be >= 1, got {self.overhead_steps_per_call}")
+        check(self.balance_trials >= 0, "balance_trials", f"must be >= 0, got {self.balance_trials}")
+        check(
+            not self.balance_trials or self.global_batch_size % self.balance_microbatches == 0,
+            "balance_microbatches",
+            f"must divide --global-batch-size {self.global_batch_size} for --balance-trials' steps, got {self.balance_microbatches}",
+        )
         check(self.resnet_rounds >= 1, "resnet_rounds", f"must be >= 1, got {self.resnet_rounds}")
         check(self.overhead_rounds >= 1, "overhead_rounds", f"must be >= 1, got {self.overhead_rounds}")
         check(self.hybrid_workers >= 1, "hybrid_workers", f"must be >= 1, got {self.hybrid_workers}")

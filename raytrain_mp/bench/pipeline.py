@@ -114,6 +114,7 @@ from raytrain_mp.pipeline import (
     flatten_model,
     split_batch,
 )
+from raytrain_mp.pipeline.run import describe_trial
 from raytrain_mp.pipeline.schedule import (
     FILL_DRAIN_SCHEDULES,
     FLAT_SCHEDULES,
@@ -374,13 +375,15 @@ def layout_runs(
     partition: dict[str, Any] = (
         {"split_points": list(split_points)}
         if split_points is not None
-        else {"balance": "time", "sample_input": x, "num_microbatches": cfg.balance_microbatches}
+        else {"balance": "time", "sample_input": x, "num_microbatches": cfg.balance_microbatches, "balance_trials": cfg.balance_trials}
     )
     with PipelineTrainer(
         model, cfg.stages, lr=LR, momentum=MOMENTUM, weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage,
         use_gpu=cfg.use_gpu, schedule=schedules[0], virtual_stages=virtual, **partition,
     ) as trainer:  # fmt: skip
         plan = [dataclasses.asdict(stage) for stage in trainer.plan]
+        for trial in trainer.balance_trials:
+            print(f"balance trial: {describe_trial(trial)}", flush=True)
         print("stages: " + " | ".join(f"{p['blocks'][0]}..{p['blocks'][-1]}" for p in plan), flush=True)
         runs, skipped = sweep_runs(trainer, x, y, Sweep("", "s", tuple(schedules), tuple(microbatches), cfg.warmup, cfg.steps))
     # Activation memory is measured after the timed runs, so it never competes with them for CPUs.
@@ -396,7 +399,7 @@ def layout_runs(
             per_microbatch[m] = saved_activation_bytes(stages, first.inputs, first.targets)
         held = max_in_flight(run["schedule"], cfg.stages, m)
         run["peak_activation_bytes"] = [count * size for count, size in zip(held, per_microbatch[m])]
-    return {"plan": plan, "runs": runs, "skipped": skipped}
+    return {"plan": plan, "balance_trials": trainer.balance_trials, "runs": runs, "skipped": skipped}
 
 
 def overhead_sweep(cfg: BenchPipelineConfig) -> Sweep:

@@ -211,8 +211,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             trainer = make_trainer(cfg, model, schedule(start_epoch * steps_per_epoch), sample)
         except UsageError as exc:
             raise as_flag_error(exc) from None
-        # Restarts keep this cut, also when they come before the first checkpoint.
-        cfg = dataclasses.replace(cfg, split_points=[plan.blocks[0] for plan in trainer.plan[1:]])
+        # Restarts keep this cut, also when they come before the first checkpoint; it is settled, so no more trials.
+        cfg = dataclasses.replace(cfg, split_points=[plan.blocks[0] for plan in trainer.plan[1:]], balance_trials=0)
         try:
             if optimizer_states is not None:
                 trainer.load_optimizer_state_dicts(optimizer_states)
@@ -235,7 +235,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
 
 def print_placement(trainer: PipelineTrainer) -> None:
-    """The stages' cut, and the node each (replica, stage) actor landed on."""
+    """The cuts tried (``--balance-trials``), the stages' cut, and the node each (replica, stage) actor landed on."""
+    for trial in trainer.balance_trials:
+        print(f"balance trial: {describe_trial(trial)}", flush=True)
     if trainer.num_replicas == 1:
         for plan, node in zip(trainer.plan, trainer.nodes):
             print(f"{describe(plan)} on node {node[:8]}", flush=True)
@@ -258,6 +260,14 @@ def describe(plan) -> str:
     )
 
 
+def describe_trial(trial: dict) -> str:
+    """One cut ``PipelineTrainer`` tried on running stages (an entry of its ``balance_trials``)."""
+    return (
+        f"cut before {', '.join(trial['split_points'])}: profile {trial['profile_score']:.4f} s per micro-batch, "
+        f"bubble {trial['bubble_fraction']:.3f}, {trial['seconds_per_step']:.3f} s per step"
+    )
+
+
 def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch.Tensor) -> PipelineTrainer:
     balance = None if cfg.split_points else (None if cfg.balance == "none" else cfg.balance)
     return PipelineTrainer(
@@ -266,7 +276,7 @@ def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch
         weight_decay=cfg.weight_decay, use_gpu=cfg.use_gpu, deferred_bn=cfg.deferred_bn,
         clip_grad_norm=cfg.clip_grad_norm, autocast_bf16=cfg.precision == "bf16",
         placement_strategy=cfg.placement, cpus_per_stage=cfg.cpus_per_stage, sample_input=sample,
-        virtual_stages=cfg.virtual_stages, num_replicas=cfg.replicas,
+        virtual_stages=cfg.virtual_stages, num_replicas=cfg.replicas, balance_trials=cfg.balance_trials if balance == "time" else 0,
     )  # fmt: skip
 
 

@@ -31,8 +31,10 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -57,6 +59,8 @@ from raytrain_mp.pipeline.partition import (
     balance_bounds,
     balance_fill_drain_bounds,
     check_stage_count,
+    cut_score,
+    near_best_bounds,
     plan_stages,
     split_bounds,
 )
@@ -66,6 +70,7 @@ from raytrain_mp.pipeline.stage import StageConfig, StageWorker, check_optimizer
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 _PLACEMENT_TIMEOUT_S = 120.0
+TRIAL_CUTS = 3  # balance_trials: the most cuts tried on running stages, the profile's own included
 # After a rank fails, how long to wait for its peers' errors before naming the origin: a killed
 # actor's peer often reports the broken connection before Ray reports the death.
 _FAILURE_GRACE_S = 5.0
@@ -181,6 +186,31 @@ def _check_options(
         raise UsageError(f"p2p_timeout_s: must be > 0 seconds, got {p2p_timeout_s}")
 
 
+def check_batch(batch: int, num_microbatches: int, num_replicas: int) -> None:
+    """Raise ``UsageError`` unless a batch of ``batch`` samples cuts into equal micro-batches."""
+    check_microbatches(num_microbatches, batch)
+    if batch % num_microbatches:
+        raise UsageError(
+            f"num_microbatches: {num_microbatches} micro-batches do not divide a batch of {batch} samples; "
+            "torch's pipeline runtime needs micro-batches of equal size"
+        )
+    check_replicas(num_replicas, batch, num_microbatches)
+
+
+def _check_trials(
+    balance: str | None, trials: int, tolerance: float, sample_input: Tensor | None, num_microbatches: int,
+    num_replicas: int,
+) -> None:
+    if trials < 0 or int(trials) != trials:
+        raise UsageError(f"balance_trials: a whole number of steps >= 0, got {trials}")
+    if not tolerance >= 0:
+        raise UsageError(f"balance_tolerance: a share of the best cut's cost >= 0, got {tolerance}")
+    if trials and balance != "time":
+        raise UsageError(f"balance_trials: tries the cuts of balance='time' on running stages; the cut here is {balance or 'split_points'}")
+    if trials:
+        check_batch(len(sample_input), num_microbatches, num_replicas)  # the trial steps run on it
+
+
 def _balance_mode(
     split_points: Sequence[str] | None, balance: str | None, sample_input: Tensor | None, num_microbatches: int
 ) -> str | None:
@@ -209,6 +239,13 @@ class PipelineTrainer:
     device with the first micro-batch of ``sample_input``: equal forward+backward seconds, or for
     ``schedule="gpipe"`` the least largest forward plus largest backward, what its step pays; the
     cut stays when ``set_schedule`` changes the schedule). Neither means ``"params"``.
+    ``balance_trials`` N > 0 (with ``"time"``) settles what the profile cannot tell apart: the
+    cuts it rates within ``balance_tolerance`` of its best (at most ``TRIAL_CUTS``, its own first)
+    each run on the stage actors, one untimed step of ``sample_input`` and N timed ones, and the
+    cut with the smallest median bubble stays (``balance_trials`` reports them all; empty when the
+    profile's cut had no rival). A profile
+    times blocks one at a time and alone; running stages share the machine, and the cut it rates
+    a few percent better can be the worse one.
     ``use_gpu=None`` uses GPUs when the Ray cluster has one for each rank (NCCL between them; gloo
     between CPU ranks), else CPUs. A receive that waits longer than ``p2p_timeout_s`` fails the step.
 
@@ -246,6 +283,8 @@ class PipelineTrainer:
         virtual_stages: int = 1,
         p2p_timeout_s: float = 300.0,
         num_replicas: int = 1,
+        balance_trials: int = 0,
+        balance_tolerance: float = 0.05,
     ) -> None:
         # Everything that can be checked without a cluster, first.
         blocks = flatten_model(model)
@@ -260,6 +299,7 @@ class PipelineTrainer:
         check_replicas(num_replicas)
         self.num_replicas = num_replicas
         balance = _balance_mode(split_points, balance, sample_input, num_microbatches)
+        _check_trials(balance, balance_trials, balance_tolerance, sample_input, num_microbatches, num_replicas)
         params = block_parameter_counts(model, blocks)
         bounds = split_bounds(names, split_points, parts) if split_points is not None else None
         if balance == "params":
@@ -293,6 +333,15 @@ class PipelineTrainer:
         ]
         try:
             self._wait_for_placement(bundle, placement_strategy)
+            # The model's own order: a stage attaches a residual block's downsample with its strided conv.
+            self._model_keys = list(model.state_dict())
+            template = StageConfig(
+                rank=0, num_ranks=num_stages, virtual_stages=virtual_stages, optimizer=optimizer, lr=lr,
+                momentum=momentum, weight_decay=weight_decay, use_gpu=use_gpu, num_cpus=cpus_per_stage,
+                deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, p2p_timeout_s=p2p_timeout_s,
+                replica=0, num_replicas=num_replicas,
+            )  # fmt: skip
+            self.balance_trials: list[dict[str, Any]] = []  # per cut tried, the profile's first
             seconds = forward = None
             if balance == "time":
                 sample = sample_input[: -(-len(sample_input) // num_microbatches)]  # the first micro-batch
@@ -303,37 +352,71 @@ class PipelineTrainer:
                 # (set_schedule above refused GPipe with virtual stages.)
                 fill_drain = self.schedule in FILL_DRAIN_SCHEDULES
                 bounds = balance_fill_drain_bounds(forward, backward, parts) if fill_drain else balance_bounds(seconds, parts)
+                if balance_trials:
+                    candidates = near_best_bounds(forward, backward, bounds, fill_drain, balance_tolerance, TRIAL_CUTS)
+                    if len(candidates) > 1:  # else the profile has no rival to test
+                        scores = [cut_score(forward, backward, cut, fill_drain) for cut in candidates]
+                        bounds = self._fastest_cut(model, blocks, template, candidates, scores, sample_input, balance_trials)
             self.plan: list[StagePlan] = plan_stages(names, bounds, params, seconds, forward)
-            pieces = [StageModule(model, blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
-            held = [pieces[rank::num_stages] for rank in range(num_stages)]  # rank r: parts r, r + S, ...
-            self._stage_keys = [[key for piece in modules for key in piece.state_dict()] for modules in held]
-            # The model's own order: a stage attaches a residual block's downsample with its strided conv.
-            self._model_keys = list(model.state_dict())
-            actor_class = ray.remote(StageWorker)
-            for replica in range(num_replicas):
-                for rank, modules in enumerate(held):
-                    config = StageConfig(
-                        rank=rank, num_ranks=num_stages, virtual_stages=virtual_stages, optimizer=optimizer, lr=lr,
-                        momentum=momentum, weight_decay=weight_decay, use_gpu=use_gpu, num_cpus=cpus_per_stage,
-                        deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, p2p_timeout_s=p2p_timeout_s,
-                        replica=replica, num_replicas=num_replicas,
-                    )  # fmt: skip
-                    options = self._placement(rank, cpus_per_stage, replica)
-                    self._actors.append(actor_class.options(**options).remote(modules, config))
-            self.devices: list[str] = self._call_all("ready")  # per actor, replica-major
-            self.niceness: list[int] = self._call_all("niceness")  # per actor, replica-major
-            self.keeps_freed_memory: list[bool] = self._call_all("keeps_freed_memory")  # per actor, replica-major
-            host, port = self._gather([(0, self.actor(0).host_store.remote())], step=None)[0]
-            self._call_all("join_group", host, port)
-            self.nodes: list[str] = [  # Ray node id per actor, replica-major
-                ray.util.placement_group_table(pg)["bundles_to_node_id"][rank] for pg in self._pgs for rank in range(num_stages)
-            ]
+            self._start_stages(model, blocks, bounds, template)
         except BaseException:
             self.shutdown()
             raise
         self._reset_stats()
 
     # -- setup ---------------------------------------------------------------------------------
+
+    def _start_stages(self, model: nn.Module, blocks: list[Block], bounds: Sequence[int], template: StageConfig) -> None:
+        """One actor per rank of every replica, holding its parts of the cut ``bounds``, ready and in
+        one process group."""
+        num_stages = self.num_stages
+        pieces = [StageModule(model, blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
+        held = [pieces[rank::num_stages] for rank in range(num_stages)]  # rank r: parts r, r + S, ...
+        self._stage_keys = [[key for piece in modules for key in piece.state_dict()] for modules in held]
+        actor_class = ray.remote(StageWorker)
+        for replica in range(self.num_replicas):
+            for rank, modules in enumerate(held):
+                config = dataclasses.replace(template, rank=rank, replica=replica)
+                options = self._placement(rank, template.num_cpus, replica)
+                self._actors.append(actor_class.options(**options).remote(modules, config))
+        self.devices: list[str] = self._call_all("ready")  # per actor, replica-major
+        self.niceness: list[int] = self._call_all("niceness")  # per actor, replica-major
+        self.keeps_freed_memory: list[bool] = self._call_all("keeps_freed_memory")  # per actor, replica-major
+        host, port = self._gather([(0, self.actor(0).host_store.remote())], step=None)[0]
+        self._call_all("join_group", host, port)
+        self.nodes: list[str] = [  # Ray node id per actor, replica-major
+            ray.util.placement_group_table(pg)["bundles_to_node_id"][rank] for pg in self._pgs for rank in range(num_stages)
+        ]
+
+    def _fastest_cut(
+        self, model: nn.Module, blocks: list[Block], template: StageConfig, candidates: Sequence[list[int]],
+        scores: Sequence[float], sample: Tensor, steps: int,
+    ) -> list[int]:
+        """The cut of ``candidates`` whose running stages wait least: each runs one untimed step of
+        ``sample`` and ``steps`` timed ones on its own actors, stopped afterwards. The blocks and so
+        the work are the same on every cut, so the least waiting is the shortest step, and a
+        fraction of one step's time does not drift with a shared machine's speed as seconds do."""
+        names = [block.name for block in blocks]
+        targets = torch.zeros(len(sample), dtype=torch.long)  # any class will do: only the time counts
+        self._reset_stats()
+        for bounds, score in zip(candidates, scores):
+            self._start_stages(model, blocks, bounds, template)
+            self.train_step(sample, targets)
+            self._reset_stats()
+            timed = []
+            for _ in range(steps):
+                self.train_step(sample, targets)
+                timed.append(self.stats(reset=True))
+            self._stop_actors()
+            self.balance_trials.append({
+                "split_points": [names[i] for i in bounds[1:-1]],
+                "profile_score": score,
+                "bubble_fraction": statistics.median(t["bubble_fraction"] for t in timed),
+                "seconds_per_step": statistics.median(t["seconds_per_step"] for t in timed),
+            })  # fmt: skip
+        self.steps_done = 0
+        best = min(range(len(candidates)), key=lambda i: self.balance_trials[i]["bubble_fraction"])
+        return list(candidates[best])
 
     def _placement(self, index: int, cpus: int, replica: int = 0) -> dict[str, Any]:
         return {
@@ -448,13 +531,7 @@ class PipelineTrainer:
             raise UsageError(f"inputs: the batches of one call must have one shape, got {sorted(shapes)}")
         for inputs, targets, _ in chunk:
             batch = len(inputs)
-            check_microbatches(m, batch)
-            if batch % m:
-                raise UsageError(
-                    f"num_microbatches: {m} micro-batches do not divide a batch of {batch} samples; "
-                    "torch's pipeline runtime needs micro-batches of equal size"
-                )
-            check_replicas(self.num_replicas, batch, m)
+            check_batch(batch, m, self.num_replicas)
             if len(targets) != batch:
                 raise UsageError(f"targets: {len(targets)} targets for {batch} inputs")
         inputs = chunk[0][0]
@@ -595,11 +672,14 @@ class PipelineTrainer:
             raise RuntimeError(f"PipelineTrainer: used after {self._stopped}; build a new PipelineTrainer")
         return self._actors[global_rank(replica, stage, self.num_stages)]
 
-    def shutdown(self) -> None:
-        """Stop the stage actors and free their placement groups (safe to call twice)."""
+    def _stop_actors(self) -> None:
         for actor in self._actors:
             ray.kill(actor)
         self._actors = []
+
+    def shutdown(self) -> None:
+        """Stop the stage actors and free their placement groups (safe to call twice)."""
+        self._stop_actors()
         for pg in self._pgs:
             remove_placement_group(pg)
         self._pgs = []

@@ -88,6 +88,11 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
         assert len(layout["plan"]) == 2 * virtual
         runs = {(r["schedule"], r["microbatches"]) for r in layout["runs"]}
         assert runs == expected[name], name  # 1F1B needs m >= stages; the balanced layout runs GPipe only
+        trials = layout["balance_trials"]  # tried only when the profile rates another cut within 5%
+        assert (name != "fixed" or trials == []) and len(trials) in (0, 2, 3)
+        if trials:
+            fastest = min(trials, key=lambda trial: trial["bubble_fraction"])["split_points"]
+            assert [stage["blocks"][0] for stage in layout["plan"][1:]] == fastest
         for run in layout["runs"]:
             assert_spread(run["step_seconds"])
             assert_spread(run["queued_step_seconds"])
@@ -273,6 +278,11 @@ def test_bench_bad_input(capsys, tmp_path):
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-steps", "0"), "--overhead-steps")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-rounds", "0"), "--overhead-rounds: must be >= 1, got 0")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--resnet-rounds", "0"), "--resnet-rounds: must be >= 1, got 0")
+    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--balance-trials", "-1"), "--balance-trials: must be >= 0, got -1")
+    assert_usage_error(
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--balance-microbatches", "3"),
+        "--balance-microbatches: must divide --global-batch-size 64 for --balance-trials' steps, got 3",
+    )
     assert_usage_error(
         run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-schedules", "gpipe,zigzag"), "--overhead-schedules", "zigzag"
     )

@@ -41,6 +41,11 @@ def tiny_data(tmp_path_factory) -> str:
         (["--global-batch-size", "500"], ["--global-batch-size 500 exceeds the 160 training samples"]),
         (["--replicas", "0"], ["--replicas: must be >= 1, got 0"]),
         (["--steps-per-call", "0"], ["--steps-per-call: must be >= 1, got 0"]),
+        (["--balance-trials", "-1"], ["--balance-trials: must be >= 0, got -1"]),
+        (["--balance-trials", "2", "--balance", "params"],
+         ["--balance-trials: tries the cuts of --balance time on running stages; this run cuts by --balance params"]),
+        (["--balance-trials", "2", "--split-points", "layer3"],
+         ["--balance-trials: tries the cuts of --balance time on running stages; this run cuts by --split-points"]),
         (["--replicas", "3"], ["--replicas: 3 replicas x --microbatches 4 must divide --global-batch-size 32 into equal micro-batches, got 3"]),
     ],
 )
@@ -147,8 +152,9 @@ def test_resume_keeps_the_saved_split_and_refuses_another(fp64_runs, tiny_data, 
             res, f"--stages: {where} on 2 stage actors x 1 virtual stages, not {asked}; accepted: --stages 2 --virtual-stages 1"
         )
     assert sorted(p.name for p in (storage / "copy").glob("checkpoint_*")) == ["checkpoint_000001", "checkpoint_000002"]
-    # --balance time would profile and cut anew; the resumed run keeps the checkpoint's cut instead.
-    resumed = run_cli_json(*base, "--balance", "time")
+    # --balance time would profile and cut anew, and --balance-trials try cuts; the resumed run keeps
+    # the checkpoint's cut instead.
+    resumed = run_cli_json(*base, "--balance", "time", "--balance-trials", "1")
     assert resumed["epochs"] == 3
     assert [stage["blocks"] for stage in resumed["stages"]] == [stage["blocks"] for stage in plain["stages"]]
 

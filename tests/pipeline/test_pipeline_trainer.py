@@ -218,15 +218,26 @@ class TestAgainstGradientAccumulation:
         assert pipeline.trainer.keeps_freed_memory == [platform.libc_ver()[0] == "glibc"] * pipeline.trainer.num_stages
 
 
-def test_deferred_bn_time_balance_adamw_and_clipping(ray_session: object) -> None:
+def test_deferred_bn_time_balance_trials_adamw_and_clipping(ray_session: object) -> None:
     model = _model(torch.float64)
     batches = _batches(torch.float64, 2)
     options = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.01, "clip_grad_norm": 0.5}
     # The zero-bubble schedule splits each backward into input and weight gradients: the clipping
-    # and the deferred statistics must not care.
+    # and the deferred statistics must not care. A tolerance of 10 makes every cut a candidate, so
+    # the trainer tries TRIAL_CUTS of them on running stages before the steps below.
     with PipelineTrainer(model, 2, balance="time", sample_input=batches[0][0], deferred_bn=True, num_microbatches=4,
-                         schedule="interleaved-zb", virtual_stages=2, use_gpu=False, **options) as pipeline:  # fmt: skip
+                         schedule="interleaved-zb", virtual_stages=2, use_gpu=False, balance_trials=1,
+                         balance_tolerance=10.0, **options) as pipeline:  # fmt: skip
         assert all(plan.seconds > plan.forward_seconds > 0 for plan in pipeline.plan)
+        trials = pipeline.balance_trials
+        assert len(trials) == trainer_module.TRIAL_CUTS
+        assert len({tuple(trial["split_points"]) for trial in trials}) == len(trials)
+        assert [trial["profile_score"] for trial in trials[1:]] == sorted(trial["profile_score"] for trial in trials[1:])
+        assert all(trial["seconds_per_step"] > 0 and 0 <= trial["bubble_fraction"] < 1 for trial in trials)
+        fastest = min(trials, key=lambda trial: trial["bubble_fraction"])
+        assert [plan.blocks[0] for plan in pipeline.plan[1:]] == fastest["split_points"]
+        # The trial steps ran on stages that are gone: the steps below start from the model as given.
+        assert pipeline.steps_done == 0 and pipeline.stats()["steps"] == 0
         losses = [pipeline.train_step(x, y) for x, y in batches[:1]]
         # The stem's BatchNorm saw conv1(x) in 4 micro-batches; its running statistics are those
         # of one BatchNorm pass over the whole batch.
@@ -336,6 +347,14 @@ def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) 
         ({"balance": "time"}, "balance: 'time' needs sample_input, a batch like the training batches, to profile on"),
         ({"balance": "time", "sample_input": torch.zeros(3, 1, 8, 8)},
          "num_microbatches: 4 micro-batches need a batch of at least 4 samples, got 3"),
+        ({"balance_trials": -1}, "balance_trials: a whole number of steps >= 0, got -1"),
+        ({"balance_trials": 2}, "balance_trials: tries the cuts of balance='time' on running stages; the cut here is params"),
+        ({"split_points": ["layer3"], "balance_trials": 2},
+         "balance_trials: tries the cuts of balance='time' on running stages; the cut here is split_points"),
+        ({"balance": "time", "sample_input": torch.zeros(6, 1, 8, 8), "balance_trials": 1},
+         "num_microbatches: 4 micro-batches do not divide a batch of 6 samples; torch's pipeline runtime needs "
+         "micro-batches of equal size"),
+        ({"balance_tolerance": -0.1}, "balance_tolerance: a share of the best cut's cost >= 0, got -0.1"),
         ({"schedule": "interleaved-1f1b"}, "virtual_stages: interleaved-1f1b needs at least 2 stages per rank, got 1"),
         ({"virtual_stages": 0}, "virtual_stages: must be >= 1, got 0"),
         ({"p2p_timeout_s": 0}, "p2p_timeout_s: must be > 0 seconds, got 0"),
