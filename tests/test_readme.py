@@ -191,6 +191,7 @@ def check_output(command: str, out: str, home: Path, work: Path) -> None:
         assert "--global-batch-size" in out and "--no-sync-bn" in out
     elif command.startswith("raytrain-mp pipeline"):
         assert "stage 1:" in out
+        assert ("balance trial: cut before " in out) == ("--balance-trials" in command), out[-2000:]
     elif command.startswith("raytrain-mp tune --global"):
         rows = (home / "ray_results" / "lr-sweep" / "sweep_table.csv").read_text().splitlines()
         assert len(rows) == 1 + 4 and (home / "ray_results" / "lr-sweep" / "best.yaml").is_file()

@@ -89,8 +89,8 @@ class BenchPipelineConfig:
     interleaved: bool = option(True, "also run time-balanced stages, 2 per actor, with interleaved 1F1B")
     balance_microbatches: int = option(8, "balanced stages are profiled on a micro-batch of global-batch-size / this")
     balance_trials: int = option(
-        3, "balanced stages: timed steps (at m = --balance-microbatches) on each cut the profile rates within 5 percent of its best; "
-        "the cut that waits least stays (0: the profile decides)"
+        3, "balanced stages: timed steps (at m = --balance-microbatches) of each cut run before the timed figures: the "
+        "profile's, then the profile rescaled to what each stage measured, cut anew (PipelineTrainer's balance_trials; 0: the profile decides)"
     )
     steps: int = option(3, "timed steps per figure (and round, on the seeds' split)")
     warmup: int = option(1, "untimed steps before each figure")

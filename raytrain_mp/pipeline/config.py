@@ -47,8 +47,8 @@ class PipelineConfig(TrainOptions):
     split_points: list | None = option(None, "cut before these modules, e.g. layer3 (the seeds' split); overrides --balance")
     balance: str = option("time", "cut stages by measured time, parameter count, or none (= params)", BALANCES)
     balance_trials: int = option(
-        0, "with --balance time: timed steps on running stages for each cut the profile rates within 5 percent of its "
-        "best (at most 3); the cut that waits least stays (0: the profile decides)"
+        0, "with --balance time: timed steps of the profile's cut on the stage actors, then of the cut of the profile "
+        "rescaled to what each stage measured, while new (3 cuts at most); the cut that waits least stays (0: the profile decides)"
     )
     schedule: str = option("gpipe", "pipeline schedule (torch.distributed.pipelining's)", SCHEDULES)
     virtual_stages: int = option(1, "stages per Ray actor for the interleaved schedules: the model is cut into --stages x this")

@@ -198,62 +198,24 @@ def cut_score(forward: Sequence[float], backward: Sequence[float], bounds: Seque
     return max(f) + max(b) if fill_drain else max(x + y for x, y in zip(f, b))
 
 
-def near_best_bounds(
-    forward: Sequence[float],
-    backward: Sequence[float],
-    chosen: Sequence[int],
-    fill_drain: bool,
-    tolerance: float,
-    limit: int,
-    negligible: float = NEGLIGIBLE_SHARE,
-) -> list[list[int]]:
-    """``chosen`` and up to ``limit - 1`` other cuts that the profile rates nearly as good: a
-    ``cut_score`` at most ``(1 + tolerance)`` times ``chosen``'s, no stage below ``negligible`` of
-    the total forward+backward. Best score first; equal scores by cut points compared from the
-    last, smallest first. Exact: a depth-first search over the cut points that stops extending a
-    stage once its own forward and backward pass the bound, since costs only grow with blocks.
+def rescale_to_measured(
+    costs: Sequence[float], bounds: Sequence[int], num_ranks: int, measured: Sequence[float]
+) -> list[float]:
+    """Per-block ``costs`` scaled so that each rank's blocks sum to what that rank ``measured``.
+
+    Part p (blocks ``bounds[p]:bounds[p + 1]``) runs on rank ``p % num_ranks``; every block of rank
+    r is scaled by ``measured[r]`` over the profiled sum of its blocks, so the profile's shares
+    within a rank stay and the ranks' totals become the running stages' (a rank whose profiled sum
+    is 0 keeps its costs).
     """
-    n, num_stages = len(forward), len(chosen) - 1
-    if len(backward) != n:
-        raise UsageError(f"backward: {len(backward)} backward times for {n} forward times")
-    check_stage_count(n, num_stages)
-    _check_negligible(negligible)
-    if not tolerance >= 0:
-        raise UsageError(f"balance_tolerance: a share of the best cut's cost >= 0, got {tolerance}")
-    if limit < 1:
-        raise UsageError(f"limit: at least 1 cut, got {limit}")
-    pf, pb = [0.0, *accumulate(forward)], [0.0, *accumulate(backward)]
-    floor = negligible * (pf[n] + pb[n])
-    bound = cut_score(forward, backward, chosen, fill_drain) * (1 + tolerance)
-
-    def score(most_f: float, most_b: float, most_sum: float) -> float:
-        return most_f + most_b if fill_drain else most_sum
-
-    found: list[tuple[float, list[int]]] = []
-
-    def extend(cuts: list[int], most_f: float, most_b: float, most_sum: float) -> None:
-        j, left = cuts[-1], num_stages - (len(cuts) - 1)
-        if left == 0:
-            if j == n and list(cuts) != list(chosen):
-                found.append((score(most_f, most_b, most_sum), list(cuts)))
-            return
-        for i in range(j + 1, n - left + 2):
-            f, b = pf[i] - pf[j], pb[i] - pb[j]
-            mf, mb, ms = max(most_f, f), max(most_b, b), max(most_sum, f + b)
-            if score(mf, mb, ms) > bound:
-                break  # a longer stage only costs more
-            if f + b < floor:
-                continue
-            rest = left - 1
-            if rest:  # the later stages share what is left: their largest is at least its average
-                rf, rb = (pf[n] - pf[i]) / rest, (pb[n] - pb[i]) / rest
-                if score(max(mf, rf), max(mb, rb), max(ms, rf + rb)) > bound:
-                    continue
-            extend([*cuts, i], mf, mb, ms)
-
-    extend([0], 0.0, 0.0, 0.0)
-    found.sort(key=lambda item: (item[0], item[1][::-1]))
-    return [list(chosen), *(cuts for _, cuts in found[: limit - 1])]
+    rank_of_block = [0] * len(costs)
+    for part, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        rank_of_block[start:stop] = [part % num_ranks] * (stop - start)
+    profiled = [0.0] * num_ranks
+    for cost, rank in zip(costs, rank_of_block):
+        profiled[rank] += cost
+    scale = [seconds / total if total > 0 else 1.0 for seconds, total in zip(measured, profiled)]
+    return [cost * scale[rank] for cost, rank in zip(costs, rank_of_block)]
 
 
 # A stage holding blocks[j:i] passes when allowed(j, i).

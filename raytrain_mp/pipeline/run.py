@@ -263,7 +263,9 @@ def describe(plan) -> str:
 def describe_trial(trial: dict) -> str:
     """One cut ``PipelineTrainer`` tried on running stages (an entry of its ``balance_trials``)."""
     return (
-        f"cut before {', '.join(trial['split_points'])}: profile {trial['profile_score']:.4f} s per micro-batch, "
+        f"cut before {', '.join(trial['split_points'])}: the profile rates it {trial['profile_score']:.4f} s per "
+        f"micro-batch; per stage and micro-batch it ran {'/'.join(f'{s:.4f}' for s in trial['forward_seconds'])} s "
+        f"forward, {'/'.join(f'{s:.4f}' for s in trial['backward_seconds'])} s backward; "
         f"bubble {trial['bubble_fraction']:.3f}, {trial['seconds_per_step']:.3f} s per step"
     )
 

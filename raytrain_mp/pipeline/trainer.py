@@ -60,8 +60,8 @@ from raytrain_mp.pipeline.partition import (
     balance_fill_drain_bounds,
     check_stage_count,
     cut_score,
-    near_best_bounds,
     plan_stages,
+    rescale_to_measured,
     split_bounds,
 )
 from raytrain_mp.pipeline.replicas import check_replicas, global_rank, replica_and_stage, replica_nodes, replica_shares
@@ -70,7 +70,7 @@ from raytrain_mp.pipeline.stage import StageConfig, StageWorker, check_optimizer
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 _PLACEMENT_TIMEOUT_S = 120.0
-TRIAL_CUTS = 3  # balance_trials: the most cuts tried on running stages, the profile's own included
+TRIAL_CUTS = 3  # balance_trials: the most cuts run on the stage actors, the profile's own included
 # After a rank fails, how long to wait for its peers' errors before naming the origin: a killed
 # actor's peer often reports the broken connection before Ray reports the death.
 _FAILURE_GRACE_S = 5.0
@@ -198,13 +198,10 @@ def check_batch(batch: int, num_microbatches: int, num_replicas: int) -> None:
 
 
 def _check_trials(
-    balance: str | None, trials: int, tolerance: float, sample_input: Tensor | None, num_microbatches: int,
-    num_replicas: int,
+    balance: str | None, trials: int, sample_input: Tensor | None, num_microbatches: int, num_replicas: int
 ) -> None:
     if trials < 0 or int(trials) != trials:
         raise UsageError(f"balance_trials: a whole number of steps >= 0, got {trials}")
-    if not tolerance >= 0:
-        raise UsageError(f"balance_tolerance: a share of the best cut's cost >= 0, got {tolerance}")
     if trials and balance != "time":
         raise UsageError(f"balance_trials: tries the cuts of balance='time' on running stages; the cut here is {balance or 'split_points'}")
     if trials:
@@ -239,13 +236,14 @@ class PipelineTrainer:
     device with the first micro-batch of ``sample_input``: equal forward+backward seconds, or for
     ``schedule="gpipe"`` the least largest forward plus largest backward, what its step pays; the
     cut stays when ``set_schedule`` changes the schedule). Neither means ``"params"``.
-    ``balance_trials`` N > 0 (with ``"time"``) settles what the profile cannot tell apart: the
-    cuts it rates within ``balance_tolerance`` of its best (at most ``TRIAL_CUTS``, its own first)
-    each run on the stage actors, one untimed step of ``sample_input`` and N timed ones, and the
-    cut with the smallest median bubble stays (``balance_trials`` reports them all; empty when the
-    profile's cut had no rival). A profile
-    times blocks one at a time and alone; running stages share the machine, and the cut it rates
-    a few percent better can be the worse one.
+    ``balance_trials`` N > 0 (with ``"time"``) corrects the profile by the running stages: a
+    profile times blocks one at a time and alone, and running stages, which share the machine,
+    can take a few percent more or less each, enough to make another cut the better one. The
+    profile's cut runs on the stage actors (one untimed step of ``sample_input``, N timed ones);
+    each block's profiled seconds are scaled by what its rank measured against the profile
+    (``rescale_to_measured``) and cut anew; a new cut runs in turn, up to ``TRIAL_CUTS`` cuts;
+    the one with the smallest median bubble stays, built afresh. ``balance_trials`` reports every
+    cut run, ``profile`` the (forward, backward) seconds of each block.
     ``use_gpu=None`` uses GPUs when the Ray cluster has one for each rank (NCCL between them; gloo
     between CPU ranks), else CPUs. A receive that waits longer than ``p2p_timeout_s`` fails the step.
 
@@ -284,7 +282,6 @@ class PipelineTrainer:
         p2p_timeout_s: float = 300.0,
         num_replicas: int = 1,
         balance_trials: int = 0,
-        balance_tolerance: float = 0.05,
     ) -> None:
         # Everything that can be checked without a cluster, first.
         blocks = flatten_model(model)
@@ -299,7 +296,7 @@ class PipelineTrainer:
         check_replicas(num_replicas)
         self.num_replicas = num_replicas
         balance = _balance_mode(split_points, balance, sample_input, num_microbatches)
-        _check_trials(balance, balance_trials, balance_tolerance, sample_input, num_microbatches, num_replicas)
+        _check_trials(balance, balance_trials, sample_input, num_microbatches, num_replicas)
         params = block_parameter_counts(model, blocks)
         bounds = split_bounds(names, split_points, parts) if split_points is not None else None
         if balance == "params":
@@ -341,22 +338,17 @@ class PipelineTrainer:
                 deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, p2p_timeout_s=p2p_timeout_s,
                 replica=0, num_replicas=num_replicas,
             )  # fmt: skip
-            self.balance_trials: list[dict[str, Any]] = []  # per cut tried, the profile's first
+            self.balance_trials: list[dict[str, Any]] = []  # per cut run on the actors, the profile's first
+            self.profile: list[tuple[float, float]] | None = None  # per block, (forward, backward) seconds
             seconds = forward = None
             if balance == "time":
                 sample = sample_input[: -(-len(sample_input) // num_microbatches)]  # the first micro-batch
-                forward, backward = zip(*self._profile(model, blocks, sample, cpus_per_stage, autocast_bf16))
+                self.profile = self._profile(model, blocks, sample, cpus_per_stage, autocast_bf16)
+                forward, backward = (list(phase) for phase in zip(*self.profile))
                 seconds = [f + b for f, b in zip(forward, backward)]
-                # GPipe's step pays its slowest stage's forward and its slowest stage's backward
-                # (balance_fill_drain_bounds); the other schedules alternate the two phases.
-                # (set_schedule above refused GPipe with virtual stages.)
-                fill_drain = self.schedule in FILL_DRAIN_SCHEDULES
-                bounds = balance_fill_drain_bounds(forward, backward, parts) if fill_drain else balance_bounds(seconds, parts)
+                bounds = self._cut(forward, backward)
                 if balance_trials:
-                    candidates = near_best_bounds(forward, backward, bounds, fill_drain, balance_tolerance, TRIAL_CUTS)
-                    if len(candidates) > 1:  # else the profile has no rival to test
-                        scores = [cut_score(forward, backward, cut, fill_drain) for cut in candidates]
-                        bounds = self._fastest_cut(model, blocks, template, candidates, scores, sample_input, balance_trials)
+                    bounds = self._fastest_cut(model, blocks, template, bounds, forward, backward, sample_input, balance_trials)
             self.plan: list[StagePlan] = plan_stages(names, bounds, params, seconds, forward)
             self._start_stages(model, blocks, bounds, template)
         except BaseException:
@@ -388,18 +380,43 @@ class PipelineTrainer:
             ray.util.placement_group_table(pg)["bundles_to_node_id"][rank] for pg in self._pgs for rank in range(num_stages)
         ]
 
+    def _per_rank_and_microbatch(self, timed: Sequence[dict[str, Any]], key: str) -> list[float]:
+        """Per rank, its median seconds ``key`` over the ``timed`` steps' stats per micro-batch, the
+        replicas' mean."""
+        ranks = self.num_stages
+        return [
+            statistics.mean(
+                statistics.median(stats[key][actor] for stats in timed) for actor in range(rank, ranks * self.num_replicas, ranks)
+            ) / self.num_microbatches
+            for rank in range(ranks)
+        ]
+
+    def _cut(self, forward: Sequence[float], backward: Sequence[float]) -> list[int]:
+        """Time balance of blocks with these seconds: GPipe's step pays its slowest stage's forward
+        and its slowest stage's backward (``balance_fill_drain_bounds``); the other schedules
+        alternate the two phases. (``set_schedule`` refuses GPipe with virtual stages.)"""
+        parts = self.num_stages * self.virtual_stages
+        if self.schedule in FILL_DRAIN_SCHEDULES:
+            return balance_fill_drain_bounds(forward, backward, parts)
+        return balance_bounds([f + b for f, b in zip(forward, backward)], parts)
+
     def _fastest_cut(
-        self, model: nn.Module, blocks: list[Block], template: StageConfig, candidates: Sequence[list[int]],
-        scores: Sequence[float], sample: Tensor, steps: int,
+        self, model: nn.Module, blocks: list[Block], template: StageConfig, bounds: list[int],
+        forward: list[float], backward: list[float], sample: Tensor, steps: int,
     ) -> list[int]:
-        """The cut of ``candidates`` whose running stages wait least: each runs one untimed step of
-        ``sample`` and ``steps`` timed ones on its own actors, stopped afterwards. The blocks and so
-        the work are the same on every cut, so the least waiting is the shortest step, and a
-        fraction of one step's time does not drift with a shared machine's speed as seconds do."""
+        """Run ``bounds`` on stage actors of its own (one untimed step of ``sample``, ``steps``
+        timed ones), rescale the profile to what each rank measured per micro-batch, cut anew, and
+        repeat while the cut is new and fewer than ``TRIAL_CUTS`` have run; the cut with the least
+        median bubble. The blocks and so the work are the same on every cut, so the least waiting
+        is the shortest step, and a share of a step's time does not drift with a shared machine's
+        speed as seconds do."""
+        fill_drain = self.schedule in FILL_DRAIN_SCHEDULES
         names = [block.name for block in blocks]
         targets = torch.zeros(len(sample), dtype=torch.long)  # any class will do: only the time counts
+        ranks = self.num_stages
+        tried: list[list[int]] = []
         self._reset_stats()
-        for bounds, score in zip(candidates, scores):
+        while bounds not in tried and len(tried) < TRIAL_CUTS:
             self._start_stages(model, blocks, bounds, template)
             self.train_step(sample, targets)
             self._reset_stats()
@@ -408,15 +425,24 @@ class PipelineTrainer:
                 self.train_step(sample, targets)
                 timed.append(self.stats(reset=True))
             self._stop_actors()
+            tried.append(bounds)
+            measured_forward = self._per_rank_and_microbatch(timed, "forward_busy_seconds")
+            busy = self._per_rank_and_microbatch(timed, "busy_seconds")
+            measured_backward = [b - f for b, f in zip(busy, measured_forward)]
             self.balance_trials.append({
                 "split_points": [names[i] for i in bounds[1:-1]],
-                "profile_score": score,
+                "profile_score": cut_score(forward, backward, bounds, fill_drain),
+                "forward_seconds": measured_forward,  # per rank and micro-batch
+                "backward_seconds": measured_backward,  # the same, with the optimizer step's share
                 "bubble_fraction": statistics.median(t["bubble_fraction"] for t in timed),
                 "seconds_per_step": statistics.median(t["seconds_per_step"] for t in timed),
             })  # fmt: skip
+            bounds = self._cut(
+                rescale_to_measured(forward, bounds, ranks, measured_forward),
+                rescale_to_measured(backward, bounds, ranks, measured_backward),
+            )
         self.steps_done = 0
-        best = min(range(len(candidates)), key=lambda i: self.balance_trials[i]["bubble_fraction"])
-        return list(candidates[best])
+        return min(tried, key=lambda cut: self.balance_trials[tried.index(cut)]["bubble_fraction"])
 
     def _placement(self, index: int, cpus: int, replica: int = 0) -> dict[str, Any]:
         return {

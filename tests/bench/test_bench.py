@@ -88,8 +88,8 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
         assert len(layout["plan"]) == 2 * virtual
         runs = {(r["schedule"], r["microbatches"]) for r in layout["runs"]}
         assert runs == expected[name], name  # 1F1B needs m >= stages; the balanced layout runs GPipe only
-        trials = layout["balance_trials"]  # tried only when the profile rates another cut within 5%
-        assert (name != "fixed" or trials == []) and len(trials) in (0, 2, 3)
+        trials = layout["balance_trials"]  # the profile's cut, then the rescaled profile's while new
+        assert len(trials) == 0 if name == "fixed" else 1 <= len(trials) <= 3
         if trials:
             fastest = min(trials, key=lambda trial: trial["bubble_fraction"])["split_points"]
             assert [stage["blocks"][0] for stage in layout["plan"][1:]] == fastest

@@ -31,7 +31,9 @@ from raytrain_mp.models import build_model
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError, convert_deferred_batchnorm, split_batch
 from raytrain_mp.pipeline import trainer as trainer_module
+from raytrain_mp.pipeline.blocks import flatten_model
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm
+from raytrain_mp.pipeline.partition import balance_bounds, cut_score, rescale_to_measured, split_bounds
 from raytrain_mp.pipeline.trainer import check_resources
 
 BATCH, SIZE = 20, 64
@@ -223,17 +225,29 @@ def test_deferred_bn_time_balance_trials_adamw_and_clipping(ray_session: object)
     batches = _batches(torch.float64, 2)
     options = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.01, "clip_grad_norm": 0.5}
     # The zero-bubble schedule splits each backward into input and weight gradients: the clipping
-    # and the deferred statistics must not care. A tolerance of 10 makes every cut a candidate, so
-    # the trainer tries TRIAL_CUTS of them on running stages before the steps below.
+    # and the deferred statistics must not care. The profile's cut first runs on the actors for a
+    # step, and the cut of the profile rescaled to what the ranks measured then, while it is new.
     with PipelineTrainer(model, 2, balance="time", sample_input=batches[0][0], deferred_bn=True, num_microbatches=4,
                          schedule="interleaved-zb", virtual_stages=2, use_gpu=False, balance_trials=1,
-                         balance_tolerance=10.0, **options) as pipeline:  # fmt: skip
+                         **options) as pipeline:  # fmt: skip
         assert all(plan.seconds > plan.forward_seconds > 0 for plan in pipeline.plan)
+        names = [block.name for block in flatten_model(model)]
+        forward, backward = (list(phase) for phase in zip(*pipeline.profile))
         trials = pipeline.balance_trials
-        assert len(trials) == trainer_module.TRIAL_CUTS
-        assert len({tuple(trial["split_points"]) for trial in trials}) == len(trials)
-        assert [trial["profile_score"] for trial in trials[1:]] == sorted(trial["profile_score"] for trial in trials[1:])
-        assert all(trial["seconds_per_step"] > 0 and 0 <= trial["bubble_fraction"] < 1 for trial in trials)
+        cuts = [split_bounds(names, trial["split_points"], 4) for trial in trials]
+        assert cuts[0] == balance_bounds([f + b for f, b in zip(forward, backward)], 4)
+        assert 1 <= len(trials) <= trainer_module.TRIAL_CUTS and len(set(map(tuple, cuts))) == len(cuts)
+        for index, (trial, cut) in enumerate(zip(trials, cuts)):
+            assert trial["profile_score"] == cut_score(forward, backward, cut, False)
+            assert all(seconds > 0 for seconds in trial["forward_seconds"] + trial["backward_seconds"])
+            assert trial["seconds_per_step"] > 0 and 0 <= trial["bubble_fraction"] < 1
+            rescaled = [rescale_to_measured(costs, cut, 2, trial[key])
+                        for costs, key in ((forward, "forward_seconds"), (backward, "backward_seconds"))]  # fmt: skip
+            following = balance_bounds([f + b for f, b in zip(*rescaled)], 4)
+            if index + 1 < len(cuts):
+                assert following == cuts[index + 1]
+            else:  # the trials stop at a cut already run, or after TRIAL_CUTS
+                assert following in cuts or len(cuts) == trainer_module.TRIAL_CUTS
         fastest = min(trials, key=lambda trial: trial["bubble_fraction"])
         assert [plan.blocks[0] for plan in pipeline.plan[1:]] == fastest["split_points"]
         # The trial steps ran on stages that are gone: the steps below start from the model as given.
@@ -354,7 +368,6 @@ def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) 
         ({"balance": "time", "sample_input": torch.zeros(6, 1, 8, 8), "balance_trials": 1},
          "num_microbatches: 4 micro-batches do not divide a batch of 6 samples; torch's pipeline runtime needs "
          "micro-batches of equal size"),
-        ({"balance_tolerance": -0.1}, "balance_tolerance: a share of the best cut's cost >= 0, got -0.1"),
         ({"schedule": "interleaved-1f1b"}, "virtual_stages: interleaved-1f1b needs at least 2 stages per rank, got 1"),
         ({"virtual_stages": 0}, "virtual_stages: must be >= 1, got 0"),
         ({"p2p_timeout_s": 0}, "p2p_timeout_s: must be > 0 seconds, got 0"),
