@@ -623,6 +623,10 @@ def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: d
         fixed_best = min(r["step_seconds"]["median"] for r in layouts["fixed"]["runs"] if r["schedule"] == "gpipe")
         balanced_best = min(r["step_seconds"]["median"] for r in layouts["balanced"]["runs"])
         result["balanced_vs_fixed_speedup"] = fixed_best / balanced_best
+        # each cut run before the timed figures (--balance-trials): its bubble then
+        result["balanced_trial_bubbles"] = {
+            ",".join(trial["split_points"]): trial["bubble_fraction"] for trial in layouts["balanced"]["balance_trials"]
+        }
         at8 = find_run(layouts["balanced"], "gpipe", 8)
         if at8 is not None:
             result["balanced_gpipe_m8_bubble_gap"] = abs(at8["bubble_fraction"]["median"] - at8["bubble_formula"])

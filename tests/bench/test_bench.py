@@ -105,6 +105,8 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
             assert ("bubble_for_stage_times" in run) == (virtual == 1)
             assert 0 <= run.get("bubble_for_stage_times", 0) < 1
     assert results["layouts"]["fixed"]["plan"][1]["blocks"][0] == "layer3.0.conv1"  # the seeds' split
+    balanced_trials = results["layouts"]["balanced"]["balance_trials"]
+    assert results["summary"]["balanced_trial_bubbles"] == {",".join(t["split_points"]): t["bubble_fraction"] for t in balanced_trials}
     assert [(s["schedule"], s["microbatches"]) for s in results["layouts"]["fixed"]["skipped"]] == [("1f1b", 1)]
     gpipe2, one_f2 = (
         next(r for r in results["layouts"]["fixed"]["runs"] if r["schedule"] == s and r["microbatches"] == 2)
