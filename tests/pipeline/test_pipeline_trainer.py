@@ -236,7 +236,7 @@ def test_deferred_bn_time_balance_trials_adamw_and_clipping(ray_session: object)
         trials = pipeline.balance_trials
         cuts = [split_bounds(names, trial["split_points"], 4) for trial in trials]
         assert cuts[0] == balance_bounds([f + b for f, b in zip(forward, backward)], 4)
-        assert 1 <= len(trials) <= trainer_module.TRIAL_CUTS and len(set(map(tuple, cuts))) == len(cuts)
+        assert len(trials) in range(1, trainer_module.TRIAL_CUTS + 1) and len(set(map(tuple, cuts))) == len(cuts)
         for index, (trial, cut) in enumerate(zip(trials, cuts)):
             assert trial["profile_score"] == cut_score(forward, backward, cut, False)
             assert all(seconds > 0 for seconds in trial["forward_seconds"] + trial["backward_seconds"])
