@@ -153,7 +153,7 @@ def test_sweep_table(sweep):
         assert r["effective_lr"] == scaled_lr(r["base_lr"], r["global_batch_size"], 256, "linear")
         assert r["world_size"] == 1 and r["lr_rule"] == "linear" and r["optimizer"] == "sgd"
         assert r["status"] in ("completed", "stopped") and r["error"] is None
-        assert 1 <= r["epochs_run"] <= EPOCHS
+        assert r["epochs_run"] in range(1, EPOCHS + 1)
         assert (r["epochs_run"] == EPOCHS) == (r["status"] == "completed")
         assert 0 <= r["best_val_accuracy"] <= 1 and r["best_val_accuracy"] >= r["final_val_accuracy"]
     # ASHA lets the first trial at each rung through, so some trial always runs every epoch.
