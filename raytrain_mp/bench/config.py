@@ -84,6 +84,10 @@ class BenchPipelineConfig:
         "micro-batch counts m to sweep: ours on both layouts, native, grad accumulation (naive model parallel, "
         "m=1 on the seeds' split, is always run; 1F1B needs m >= --stages)",
     )
+    channels_last: bool = option(
+        True, "our stages compute convolutions channels-last (PipelineTrainer's channels_last); the native peer then also "
+        "runs the seeds' split channels-last beside the model as given (results['native_channels_last'])"
+    )
     split_points: tuple[str, ...] = option(SEEDS_SPLIT, "the fixed split: cut before these modules (the seeds' split)")
     balanced: bool = option(True, "also run time-balanced stages (GPipe only)")
     interleaved: bool = option(True, "also run time-balanced stages, 2 per actor, with interleaved 1F1B")

@@ -379,7 +379,7 @@ def layout_runs(
     )
     with PipelineTrainer(
         model, cfg.stages, lr=LR, momentum=MOMENTUM, weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage,
-        use_gpu=cfg.use_gpu, schedule=schedules[0], virtual_stages=virtual, **partition,
+        use_gpu=cfg.use_gpu, schedule=schedules[0], virtual_stages=virtual, channels_last=cfg.channels_last, **partition,
     ) as trainer:  # fmt: skip
         plan = [dataclasses.asdict(stage) for stage in trainer.plan]
         for trial in trainer.balance_trials:
@@ -451,7 +451,7 @@ def hybrid_runs(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor
         m = total // replicas
         with PipelineTrainer(
             model, stages, balance="params", num_replicas=replicas, num_microbatches=m, lr=LR, momentum=MOMENTUM,
-            weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage, use_gpu=cfg.use_gpu,
+            weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage, use_gpu=cfg.use_gpu, channels_last=cfg.channels_last,
         ) as trainer:  # fmt: skip
             sweep = Sweep(f"hybrid R={replicas} x S={stages} ", "s", ("gpipe",), (m,), cfg.warmup, cfg.steps)
             (run,), _ = sweep_runs(trainer, x, y, sweep)
@@ -466,11 +466,14 @@ def hybrid_seconds(hybrid: dict[str, Any]) -> dict[str, float]:
     return {f"R{run['replicas']}xS{run['stages']}": run["step_seconds"]["median"] for run in hybrid["runs"]}
 
 
-def resnet_case(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def resnet_case(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]], channels_last: bool = False) -> dict[str, Any]:
     """The native ranks' ResNet case (plain values, it travels as JSON): the name and arguments of
-    its seeded setup function, the stages' block names of ``plan`` and the sweep with its timing."""
-    sweep = Sweep("", "s", ("gpipe", "1f1b"), tuple(sorted(cfg.microbatches)), cfg.warmup, cfg.steps)
+    its seeded setup function, the stages' block names of ``plan``, the sweep with its timing, and
+    whether the stages compute channels-last (``memory_format.ChannelsLast``)."""
+    label = "channels-last " if channels_last else ""
+    sweep = Sweep(label, "s", ("gpipe", "1f1b"), tuple(sorted(cfg.microbatches)), cfg.warmup, cfg.steps)
     return {
+        "channels_last": channels_last,
         "setup": "seeded_setup",
         "arguments": {"model_name": cfg.model, "num_classes": cfg.num_classes, "image_size": cfg.image_size,
                       "batch_size": cfg.global_batch_size, "seed": cfg.seed},
@@ -517,9 +520,15 @@ def native_runs(cfg: BenchPipelineConfig, cases: dict[str, dict[str, Any]]) -> d
     return figures
 
 
-def native_resnet(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One round of ``results["native"]``: torch's GPipe and 1F1B on the stages of ``plan`` (the seeds' split)."""
-    return {**native_runs(cfg, {"resnet": resnet_case(cfg, plan)})["resnet"], "split": "fixed"}
+def native_resnet(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One round of ``results["native"]``: torch's GPipe and 1F1B on the stages of ``plan`` (the
+    seeds' split), the model as given; with ``--channels-last`` also, in the same torchrun,
+    ``results["native_channels_last"]``: the same stages computing channels-last as ours do, so
+    that the runtime and the memory format can be told apart."""
+    cases = {"native": resnet_case(cfg, plan)}
+    if cfg.channels_last:
+        cases["native_channels_last"] = resnet_case(cfg, plan, channels_last=True)
+    return {name: {**figures, "split": "fixed"} for name, figures in native_runs(cfg, cases).items()}
 
 
 def pooled(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -538,8 +547,10 @@ def pooled(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
     return runs
 
 
-def seeds_split_rounds(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(ours, native) on the seeds' split (``layout_runs``, ``native_resnet``), ``--resnet-rounds``
+def seeds_split_rounds(
+    cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(ours, the native sides by name: ``native_resnet``) on the seeds' split, ``--resnet-rounds``
     times in turn (ours, then native), each side's runs ``pooled``: the ratio of the two is the
     headline of ours against torch, and on a shared machine a single pass of each lets the drift
     between them fall on one side."""
@@ -555,7 +566,7 @@ def seeds_split_rounds(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y:
             run["samples_per_second"] = cfg.global_batch_size / run["step_seconds"]["median"]
         return {**rounds[0], "runs": runs}
 
-    return one(ours), one(native)
+    return one(ours), {name: one([side[name] for side in native]) for name in native[0]}
 
 
 def overhead_rounds(cfg: BenchPipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -585,10 +596,31 @@ def best_run(layouts: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     return min(pipelined, key=lambda item: item[1]["step_seconds"]["median"])
 
 
-def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: dict[str, Any]) -> dict[str, Any]:
+def ratios_to_native(fixed: dict[str, Any], native: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per figure (``step_seconds``, ``queued_step_seconds`` of ours against native's steps, and
+    ``by_round``: round by round), schedule and m: native / ours median step seconds on the same
+    split (>1: ours is faster)."""
+    ratios: dict[str, dict[str, Any]] = {"step_seconds": {}, "queued_step_seconds": {}, "by_round": {}}
+    for run in native["runs"]:
+        ours = find_run(fixed, run["schedule"], run["microbatches"])
+        if ours is None:
+            continue
+        native_seconds, m = run["step_seconds"]["median"], str(run["microbatches"])
+        for figure in ("step_seconds", "queued_step_seconds"):
+            ratios[figure].setdefault(run["schedule"], {})[m] = native_seconds / ours[figure]["median"]
+        ratios["by_round"].setdefault(run["schedule"], {})[m] = [
+            theirs / own for theirs, own in zip(run["round_medians"]["step_seconds"], ours["round_medians"]["step_seconds"])
+        ]
+    return ratios
+
+
+def summary(
+    local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: dict[str, Any], native_channels_last: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The headline ratios of issue 6's goals (higher is better for every ``*_speedup``), and ours
     against the native peer: ``ours_over_native[schedule][m]`` = native / ours step seconds, on
-    the same (seeds') split, schedule and m (>1: ours is faster)."""
+    the same (seeds') split, schedule and m (>1: ours is faster), native running the model as
+    given; ``ours_over_native_channels_last`` the same against native computing channels-last."""
     naive = find_run(layouts["fixed"], "gpipe", 1)["step_seconds"]["median"]
     whole = local["whole_batch"]["step_seconds"]["median"]
     name, best = best_run(layouts)
@@ -600,24 +632,15 @@ def summary(local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: d
         "best_vs_naive_speedup": naive / best["step_seconds"]["median"],
         "best_vs_one_process_speedup": whole / best["step_seconds"]["median"],
     }
-    ours_over_native: dict[str, dict[str, float]] = {}
-    queued_over_native: dict[str, dict[str, float]] = {}
-    by_round: dict[str, dict[str, list[float]]] = {}
-    for run in native["runs"]:
-        ours = find_run(layouts["fixed"], run["schedule"], run["microbatches"])
-        if ours is not None:
-            native_seconds, m = run["step_seconds"]["median"], str(run["microbatches"])
-            ours_over_native.setdefault(run["schedule"], {})[m] = native_seconds / ours["step_seconds"]["median"]
-            queued_over_native.setdefault(run["schedule"], {})[m] = native_seconds / ours["queued_step_seconds"]["median"]
-            by_round.setdefault(run["schedule"], {})[m] = [
-                theirs / own for theirs, own in zip(run["round_medians"]["step_seconds"], ours["round_medians"]["step_seconds"])
-            ]
+    over = ratios_to_native(layouts["fixed"], native)
+    result["ours_over_native"], result["ours_queued_over_native"] = over["step_seconds"], over["queued_step_seconds"]
+    result["ours_over_native_by_round"] = over["by_round"]  # how far the pooled ratio moves with the machine's drift
+    if native_channels_last is not None:
+        # the same stages computing channels-last on both sides: the runtimes alone
+        result["ours_over_native_channels_last"] = ratios_to_native(layouts["fixed"], native_channels_last)["step_seconds"]
     _, native_best = best_run({"native": native})
     result["best_native"] = {"schedule": native_best["schedule"], "microbatches": native_best["microbatches"]}
     result["best_native_seconds"] = native_best["step_seconds"]["median"]
-    result["ours_over_native"] = ours_over_native
-    result["ours_queued_over_native"] = queued_over_native
-    result["ours_over_native_by_round"] = by_round  # how far the pooled ratio moves with the machine's drift
     if "balanced" in layouts:
         # GPipe against GPipe: the balanced layout runs no 1F1B.
         fixed_best = min(r["step_seconds"]["median"] for r in layouts["fixed"]["runs"] if r["schedule"] == "gpipe")
@@ -668,9 +691,11 @@ def plot_bars(
 
 
 def plot_m_curve(
-    path: Path, cfg: BenchPipelineConfig, local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: dict[str, Any]
+    path: Path, cfg: BenchPipelineConfig, local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: dict[str, Any],
+    native_channels_last: dict[str, Any] | None = None,
 ) -> None:
-    """Step time against m for every variant: the seeds' split-size curve; native ones dashed."""
+    """Step time against m for every variant: the seeds' split-size curve; native ones dashed
+    (dotted: channels-last)."""
 
     def points(runs: Sequence[dict[str, Any]]) -> list[tuple[int, dict[str, float]]]:
         return [(r["microbatches"], r["step_seconds"]) for r in runs]
@@ -681,6 +706,9 @@ def plot_m_curve(
             curves[f"{schedule}, {name} split"] = (points([r for r in layout["runs"] if r["schedule"] == schedule]), "-")
     for schedule in ("gpipe", "1f1b"):
         curves[f"torch {schedule}, {native['split']} split"] = (points([r for r in native["runs"] if r["schedule"] == schedule]), "--")
+        if native_channels_last is not None:
+            runs = [r for r in native_channels_last["runs"] if r["schedule"] == schedule]
+            curves[f"torch {schedule}, {native['split']} split, channels-last"] = (points(runs), ":")
     title = f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.global_batch_size}, {cfg.stages} stages"
     curve_chart(path, curves, cfg.sweep, "micro-batches per step (m)", "seconds per training step", title)
 
@@ -769,7 +797,8 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     model, x, y = seeded_setup(cfg.model, cfg.num_classes, cfg.image_size, cfg.global_batch_size, cfg.seed)
 
     local = in_fresh_process(one_process, cfg, model, x, y)
-    fixed, native = seeds_split_rounds(cfg, model, x, y)
+    fixed, natives = seeds_split_rounds(cfg, model, x, y)
+    native, native_channels_last = natives["native"], natives.get("native_channels_last")
     layouts = {"fixed": fixed}
     overhead = overhead_rounds(cfg) if cfg.overhead else None
     hybrid = hybrid_runs(cfg, model, x, y) if cfg.hybrid else None
@@ -784,15 +813,15 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     plots = [out / "step_time_bars.png", out / "m_curve.png"]
     plot_bars(plots[0], local, layouts, best_run(layouts), native)
-    plot_m_curve(plots[1], cfg, local, layouts, native)
+    plot_m_curve(plots[1], cfg, local, layouts, native, native_channels_last)
     results: dict[str, Any] = {
         "benchmark": "pipeline",
         "machine": host,
         "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", "address", "out", "verbose")},
         "one_process": local,
         "layouts": layouts,
-        "native": native,
-        "summary": summary(local, layouts, native),
+        **natives,
+        "summary": summary(local, layouts, native, native_channels_last),
     }
     if overhead is not None:
         results["overhead"] = overhead_section(cfg, *overhead)

@@ -54,6 +54,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from raytrain_mp.bench.common import join_torchrun_group, summarize, timed
 from raytrain_mp.bench.pipeline import seeded_mlp, seeded_setup, sgd, stage_modules, virtual_stages
+from raytrain_mp.pipeline.memory_format import ChannelsLast
 from raytrain_mp.pipeline.stage import TORCH_SCHEDULES
 SETUPS = {"seeded_setup": seeded_setup, "seeded_mlp": seeded_mlp}
 
@@ -77,6 +78,8 @@ def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -
     held = {}
     for virtual, chunk_blocks in case["chunk_blocks"].items():
         chunks = [chunk.to(device).train() for chunk in stage_modules(model, chunk_blocks)[rank::world]]
+        if case.get("channels_last"):
+            chunks = [ChannelsLast(chunk) for chunk in chunks]
         held[int(virtual)] = (chunks, sgd(nn.ModuleList(chunks)))
     runs: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []

@@ -62,6 +62,9 @@ class PipelineConfig(TrainOptions):
     cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
     placement: str = option("STRICT_PACK", "placement group strategy of the stages", PLACEMENTS)
     deferred_bn: bool = option(False, "BatchNorm running statistics committed once per batch (torchgpipe)")
+    channels_last: bool = option(
+        True, "stages compute convolutions channels-last (NHWC) and send contiguous tensors; --no-channels-last keeps the model's layout"
+    )
     clip_grad_norm: float | None = option(None, "clip the global gradient norm across all stages")
 
     def validate(self) -> None:

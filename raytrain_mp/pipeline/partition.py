@@ -325,8 +325,10 @@ def profile_blocks(
     device: torch.device | str = "cpu",
     repeats: int = 3,
     autocast_bf16: bool = False,
+    channels_last: bool = False,
 ) -> list[tuple[float, float]]:
-    """Median (forward, backward) seconds of each block on ``device``, for one input ``sample``.
+    """Median (forward, backward) seconds of each block on ``device``, for one input ``sample``,
+    in channels-last memory format when ``channels_last`` (as a stage computes then).
 
     ``sample`` should be shaped like one micro-batch: per-sample cost is not constant in the
     batch size (small batches cost more per sample on CPU). Runs on a copy in train mode, so the
@@ -336,6 +338,8 @@ def profile_blocks(
     dtype = next(model.parameters()).dtype
     model = copy.deepcopy(model).to(device).train()
     x = sample.to(device=device, dtype=dtype) if sample.is_floating_point() else sample.to(device)
+    if channels_last and x.dim() == 4 and x.is_floating_point():
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
     samples: list[list[tuple[float, float]]] = [[] for _ in blocks]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
     for repeat in range(repeats + 1):

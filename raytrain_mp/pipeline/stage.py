@@ -13,6 +13,9 @@ A rank runs at niceness 0, where a torchrun rank runs, not at the 15 Ray gives i
 it got). A CPU rank's allocator keeps the memory a step frees for the next step
 (``allocator.keep_freed_memory``, glibc only; ``StageWorker.keeps_freed_memory`` says whether).
 
+With ``channels_last`` a rank computes its stages in channels-last memory format and sends and
+receives contiguous tensors (``memory_format.ChannelsLast``).
+
 With ``virtual_stages`` V the model is cut into ``num_ranks * V`` stages and rank r holds stages
 r, r + num_ranks, ... (torch's interleaved layout); with V = 1 a rank holds one stage.
 
@@ -56,7 +59,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -81,6 +83,7 @@ from raytrain_mp.optim import OPTIMIZERS, build_optimizer
 from raytrain_mp.pipeline.blocks import Block
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
 from raytrain_mp.pipeline.handoff import from_wire
+from raytrain_mp.pipeline.memory_format import ChannelsLast
 from raytrain_mp.pipeline.partition import profile_blocks
 from raytrain_mp.pipeline.replica_sync import merge_deferred_stats, merge_running_stats, snapshot, sum_gradients
 from raytrain_mp.pipeline.replicas import global_rank, pipeline_ranks, stage_ranks
@@ -125,6 +128,7 @@ class StageConfig:
     num_cpus: int = 1
     deferred_bn: bool = False
     autocast_bf16: bool = False
+    channels_last: bool = False
     p2p_timeout_s: float = 300.0
     replica: int = 0
     num_replicas: int = 1
@@ -169,13 +173,14 @@ def configure_device(use_gpu: bool, num_cpus: int) -> torch.device:
 
 
 def profile_on_stage_device(
-    model: nn.Module, blocks: list[Block], sample: Tensor, use_gpu: bool, num_cpus: int, autocast_bf16: bool
+    model: nn.Module, blocks: list[Block], sample: Tensor, use_gpu: bool, num_cpus: int, autocast_bf16: bool,
+    channels_last: bool = False,
 ) -> list[tuple[float, float]]:
     """``partition.profile_blocks`` on a rank's device; the body of the trainer's profiling task,
     whose process exits afterwards (so its allocator settings, ``keep_freed_memory``, go with it)."""
     device = configure_device(use_gpu, num_cpus)
     keep_freed_memory()
-    return profile_blocks(model, blocks, sample, device, autocast_bf16=autocast_bf16)
+    return profile_blocks(model, blocks, sample, device, autocast_bf16=autocast_bf16, channels_last=channels_last)
 
 
 class _Autocast(nn.Module):
@@ -268,6 +273,9 @@ class StageWorker:
         if config.deferred_bn:
             modules = [convert_deferred_batchnorm(module) for module in modules]
         self.modules = [module.to(self.device).train() for module in modules]
+        # What runs a stage's forward, here and in torch's runtime: the module, in channels-last
+        # and under autocast as configured (the state dicts stay those of self.modules).
+        self._runners = [self._runner(module) for module in self.modules]
         self.dtype = next(p for module in self.modules for p in module.parameters()).dtype
         check_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay)
         self.optimizer = build_optimizer(
@@ -373,11 +381,10 @@ class StageWorker:
             module.eval()
         try:
             for c in range(count):
-                for local, module in enumerate(self.modules):
+                for local, runner in enumerate(self._runners):
                     index = self.config.stage_index(local)
                     x = self._first_input(chunks[c]) if index == 0 else self._recv(self._previous_rank(local))
-                    with self._autocast():
-                        y = module(x)
+                    y = runner(x)
                     if c == 0:
                         shapes.append((x, y))
                     if index == last_stage:
@@ -394,8 +401,9 @@ class StageWorker:
         # under autocast), and casting it would change the computation.
         return x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
 
-    def _autocast(self) -> Any:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.autocast_bf16 else nullcontext()
+    def _runner(self, module: nn.Module) -> nn.Module:
+        runner = _Autocast(module, self.device.type) if self.config.autocast_bf16 else module
+        return ChannelsLast(runner) if self.config.channels_last else runner
 
     # -- training ----------------------------------------------------------------------------------
 
@@ -408,13 +416,12 @@ class StageWorker:
         shapes from one probe micro-batch."""
         _, shapes = self._forward_chain([probe] if self.holds_first else 1)
         stages = []
-        for local, (module, (x, y)) in enumerate(zip(self.modules, shapes)):
-            wrapped = _Autocast(module, self.device.type) if self.config.autocast_bf16 else module
+        for local, (runner, (x, y)) in enumerate(zip(self._runners, shapes)):
             index = self.config.stage_index(local)
             # The metadata says which tensors carry gradients: every stage's input but the data's.
             stages.append(
                 _TimedStage(
-                    wrapped, index, self.config.num_stages, self.device,
+                    runner, index, self.config.num_stages, self.device,
                     input_args=torch.empty_like(x).requires_grad_(index > 0), output_args=torch.empty_like(y).requires_grad_(),
                     group=self._pipeline_group,
                 )  # fmt: skip
@@ -530,7 +537,8 @@ class StageWorker:
             group["lr"] = lr
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {key: value.detach().cpu() for module in self.modules for key, value in module.state_dict().items()}
+        # contiguous: a checkpoint holds plain tensors whatever layout the rank computes in
+        return {key: value.detach().cpu().contiguous() for module in self.modules for key, value in module.state_dict().items()}
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         for module in self.modules:

@@ -183,34 +183,42 @@ def assert_overhead(results: dict, printed: dict) -> None:
 
 
 def assert_native(results: dict) -> None:
-    """torch.distributed.pipelining ran on the seeds' split under torchrun: GPipe at every m, 1F1B
-    where the API allows it (m >= stages), each measured pair compared with ours."""
-    native = results["native"]
-    assert native["api"].startswith("torch.distributed.pipelining")
-    assert native["backend"] in ("gloo", "nccl") and native["world"] == 2 and native["threads"] == 1
-    assert native["split"] == "fixed"
-    measured = {(r["schedule"], r["microbatches"]) for r in native["runs"]}
-    assert measured == {("gpipe", 1), ("gpipe", 2), ("1f1b", 2)}
-    for run in native["runs"]:
-        assert set(run) == {"schedule", "microbatches", "step_seconds", "samples", "samples_per_second", "round_medians"}
-        assert_spread(run["step_seconds"])
-        # --steps 1 in each of --resnet-rounds 2: the rounds' medians are the pooled samples
-        assert run["samples"]["step_seconds"] == run["round_medians"]["step_seconds"] and len(run["round_medians"]["step_seconds"]) == 2
-        assert run["samples_per_second"] == pytest.approx(8 / run["step_seconds"]["median"])
-    (skip,) = native["skipped"]
-    assert (skip["schedule"], skip["microbatches"]) == ("1f1b", 1) and "stages" in skip["reason"]
+    """torch.distributed.pipelining ran on the seeds' split under torchrun, the model as given and
+    (--channels-last, the default) the same stages channels-last: GPipe at every m, 1F1B where the
+    API allows it (m >= stages), each measured pair compared with ours."""
+    measured = {("gpipe", 1), ("gpipe", 2), ("1f1b", 2)}
+    for side in ("native", "native_channels_last"):
+        native = results[side]
+        assert native["api"].startswith("torch.distributed.pipelining")
+        assert native["backend"] in ("gloo", "nccl") and native["world"] == 2 and native["threads"] == 1
+        assert native["split"] == "fixed"
+        assert {(r["schedule"], r["microbatches"]) for r in native["runs"]} == measured
+        for run in native["runs"]:
+            assert set(run) == {"schedule", "microbatches", "step_seconds", "samples", "samples_per_second", "round_medians"}
+            assert_spread(run["step_seconds"])
+            # --steps 1 in each of --resnet-rounds 2: the rounds' medians are the pooled samples
+            assert run["samples"]["step_seconds"] == run["round_medians"]["step_seconds"] and len(run["round_medians"]["step_seconds"]) == 2
+            assert run["samples_per_second"] == pytest.approx(8 / run["step_seconds"]["median"])
+        (skip,) = native["skipped"]
+        assert (skip["schedule"], skip["microbatches"]) == ("1f1b", 1) and "stages" in skip["reason"]
     summary = results["summary"]
-    for key, figure in (("ours_over_native", "step_seconds"), ("ours_queued_over_native", "queued_step_seconds")):
+    ratios_of = (
+        ("ours_over_native", "native", "step_seconds"),
+        ("ours_queued_over_native", "native", "queued_step_seconds"),
+        ("ours_over_native_channels_last", "native_channels_last", "step_seconds"),
+    )
+    for key, side, figure in ratios_of:
         ratios = summary[key]
         assert {(s, int(m)) for s, by_m in ratios.items() for m in by_m} == measured
         for schedule, by_m in ratios.items():
             for m, ratio in by_m.items():
-                native_run = next(r for r in native["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
+                native_run = next(r for r in results[side]["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
                 ours = next(r for r in results["layouts"]["fixed"]["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
                 assert math.isclose(ratio, native_run["step_seconds"]["median"] / ours[figure]["median"])
                 if key == "ours_over_native":
                     rounds = zip(native_run["round_medians"]["step_seconds"], ours["round_medians"]["step_seconds"], strict=True)
                     assert summary["ours_over_native_by_round"][schedule][m] == [theirs / own for theirs, own in rounds]
+    native = results["native"]
     assert (summary["best_native"]["schedule"], summary["best_native"]["microbatches"]) in measured
     assert summary["best_native_seconds"] == min(r["step_seconds"]["median"] for r in native["runs"] if r["microbatches"] > 1)
 

@@ -139,7 +139,8 @@ class TestReplicasAgainstGradientAccumulation:
             first, second = trainer.state_dict(0), trainer.state_dict(1)
             assert all(torch.equal(first[key], second[key]) for key in first)
         # The reference: one process, the whole batch in R x m micro-batches.
-        want_losses, want_state = _reference(trainer.dtype, trainer.num_replicas * trainer.num_microbatches, steps)
+        # (computed as the stages compute: channels-last, PipelineTrainer's default)
+        want_losses, want_state = _reference(trainer.dtype, trainer.num_replicas * trainer.num_microbatches, steps, True)
         rtol = 1e-10 if float64 else 1e-5
         assert losses == pytest.approx(want_losses, rel=rtol)
         _assert_state_close(trainer.state_dict(), want_state, rtol)

@@ -1,0 +1,50 @@
+"""memory_format.ChannelsLast: the same values as the contiguous module, contiguous tensors at the
+edges (what a peer's receive buffer expects), the module's own parameters and keys."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from raytrain_mp.models import build_model
+from raytrain_mp.pipeline.blocks import StageModule, flatten_model
+from raytrain_mp.pipeline.memory_format import ChannelsLast
+
+
+def _stage() -> tuple[nn.Module, nn.Module]:
+    """The middle of a ResNet-18 (a cut inside a residual block, so it sends a packed pair) twice."""
+    torch.manual_seed(0)
+    model = build_model("resnet18", 10, in_channels=3, small_stem=False).double()
+    blocks = flatten_model(model)
+    names = [block.name for block in blocks]
+    stage = StageModule(model, blocks[names.index("layer1.0.conv1") : names.index("layer2.1.conv2")])
+    return stage, copy.deepcopy(stage)
+
+
+def test_values_and_gradients_equal_the_contiguous_stage_and_the_edges_are_contiguous() -> None:
+    plain, converted = _stage()
+    wrapped = ChannelsLast(converted)
+    assert list(wrapped.module.state_dict()) == list(plain.state_dict())
+    assert wrapped.module.get_submodule("layer1.0.conv1").weight.is_contiguous(memory_format=torch.channels_last)
+    x = torch.randn(3, 64, 16, 16, dtype=torch.float64)
+    ins = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    outs = [plain(ins[0]), wrapped(ins[1])]
+    assert outs[1].is_contiguous() and not outs[1].is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+    upstream = torch.randn_like(outs[0])
+    grads = [torch.autograd.grad(out, [inp], upstream)[0] for out, inp in zip(outs, ins)]
+    # torch.autograd.grad, as torch's zero-bubble runtime takes input gradients: no layout contract
+    assert grads[1].is_contiguous() and not grads[1].is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
+
+
+def test_inputs_that_are_not_4d_floating_point_pass_untouched() -> None:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(ChannelsLast(copy.deepcopy(mlp))(x), mlp(x), rtol=0, atol=0)
+    embed = nn.Embedding(10, 2)
+    tokens = torch.randint(0, 10, (2, 3, 4, 5))
+    assert torch.equal(ChannelsLast(embed)(tokens), embed(tokens))
