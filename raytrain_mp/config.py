@@ -48,7 +48,7 @@ FIELD_GROUPS = {
     **dict.fromkeys(("data", "source", "val_fraction", "rows_per_shard", "num_samples", "image_size",
                      "num_classes", "channels", "overwrite", "augment", "encoded", "loader_workers",
                      "loader_prefetch", "loader_batch_size", "num_images"), "data"),
-    **dict.fromkeys(("model", "small_stem", "weights", "precision", "sync_bn", "deferred_bn", "channels_last"), "model"),
+    **dict.fromkeys(("model", "small_stem", "weights", "precision", "sync_bn", "deferred_bn", "memory_format"), "model"),
     **dict.fromkeys(("epochs", "base_lr", "base_batch", "lr_rule", "warmup_epochs", "lr_decay", "step_epochs",
                      "gamma", "optimizer", "momentum", "weight_decay", "global_batch_size", "batch_size_per_worker",
                      "grad_accum_steps", "clip_grad_norm", "lr", "seed"), "optimization"),

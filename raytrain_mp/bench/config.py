@@ -11,6 +11,7 @@ from typing import Any
 
 from raytrain_mp.config import check, check_choice, check_local, check_writable, option
 from raytrain_mp.models import MODEL_NAMES
+from raytrain_mp.pipeline.memory_format import MEMORY_FORMATS
 from raytrain_mp.pipeline.schedule import SCHEDULES
 
 SEEDS_SPLIT = ("layer3",)
@@ -84,9 +85,10 @@ class BenchPipelineConfig:
         "micro-batch counts m to sweep: ours on both layouts, native, grad accumulation (naive model parallel, "
         "m=1 on the seeds' split, is always run; 1F1B needs m >= --stages)",
     )
-    channels_last: bool = option(
-        True, "our stages compute convolutions channels-last (PipelineTrainer's channels_last); the native peer then also "
-        "runs the seeds' split channels-last beside the model as given (results['native_channels_last'])"
+    memory_format: str = option(
+        "auto", "layout our stages compute in (PipelineTrainer's memory_format: auto measures each stage in both); "
+        "unless contiguous, the native peer also runs the seeds' split in the layouts ours chose (results['native_ours_layouts'])",
+        MEMORY_FORMATS,
     )
     split_points: tuple[str, ...] = option(SEEDS_SPLIT, "the fixed split: cut before these modules (the seeds' split)")
     balanced: bool = option(True, "also run time-balanced stages (GPipe only)")
@@ -128,6 +130,7 @@ class BenchPipelineConfig:
         check_shared(self)
         check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")
         check(self.stages >= 2, "stages", f"a pipeline needs at least 2 stages, got {self.stages}")
+        check_choice(self, "memory_format")
         check(self.cpus_per_stage >= 1, "cpus_per_stage", f"must be >= 1, got {self.cpus_per_stage}")
         check(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
         check(len(self.microbatches) >= 1, "microbatches", "give at least one m, e.g. 1,2,4,8")

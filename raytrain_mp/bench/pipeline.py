@@ -331,6 +331,7 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
         "busy_seconds": busy,
         "forward_busy_seconds": forward_busy,
         "samples": samples,
+        "memory_formats": trainer.memory_formats,  # per actor, the layout of each of its stages
     }
     # With replicas, busy has one entry per actor; the formulas are about one pipeline (replica 0's).
     if schedule in FORMULA_SCHEDULES:
@@ -379,7 +380,7 @@ def layout_runs(
     )
     with PipelineTrainer(
         model, cfg.stages, lr=LR, momentum=MOMENTUM, weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage,
-        use_gpu=cfg.use_gpu, schedule=schedules[0], virtual_stages=virtual, channels_last=cfg.channels_last, **partition,
+        use_gpu=cfg.use_gpu, schedule=schedules[0], virtual_stages=virtual, memory_format=cfg.memory_format, **partition,
     ) as trainer:  # fmt: skip
         plan = [dataclasses.asdict(stage) for stage in trainer.plan]
         for trial in trainer.balance_trials:
@@ -451,7 +452,7 @@ def hybrid_runs(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor
         m = total // replicas
         with PipelineTrainer(
             model, stages, balance="params", num_replicas=replicas, num_microbatches=m, lr=LR, momentum=MOMENTUM,
-            weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage, use_gpu=cfg.use_gpu, channels_last=cfg.channels_last,
+            weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage, use_gpu=cfg.use_gpu, memory_format=cfg.memory_format,
         ) as trainer:  # fmt: skip
             sweep = Sweep(f"hybrid R={replicas} x S={stages} ", "s", ("gpipe",), (m,), cfg.warmup, cfg.steps)
             (run,), _ = sweep_runs(trainer, x, y, sweep)
@@ -466,18 +467,21 @@ def hybrid_seconds(hybrid: dict[str, Any]) -> dict[str, float]:
     return {f"R{run['replicas']}xS{run['stages']}": run["step_seconds"]["median"] for run in hybrid["runs"]}
 
 
-def resnet_case(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]], channels_last: bool = False) -> dict[str, Any]:
+def resnet_case(
+    cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]], ours: Sequence[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """The native ranks' ResNet case (plain values, it travels as JSON): the name and arguments of
-    its seeded setup function, the stages' block names of ``plan``, the sweep with its timing, and
-    whether the stages compute channels-last (``memory_format.ChannelsLast``)."""
-    label = "channels-last " if channels_last else ""
-    sweep = Sweep(label, "s", ("gpipe", "1f1b"), tuple(sorted(cfg.microbatches)), cfg.warmup, cfg.steps)
+    its seeded setup function, the stages' block names of ``plan`` and the sweep with its timing;
+    given ``ours``' runs, the layout each of our stages computed in at each point (``layouts``,
+    keyed "schedule m"), for the ranks to compute in too."""
+    sweep = Sweep("in our layouts, " if ours is not None else "", "s", ("gpipe", "1f1b"), tuple(sorted(cfg.microbatches)), cfg.warmup, cfg.steps)
+    layouts = {} if ours is None else {"layouts": {f"{run['schedule']} {run['microbatches']}": run["memory_formats"] for run in ours}}
     return {
-        "channels_last": channels_last,
         "setup": "seeded_setup",
         "arguments": {"model_name": cfg.model, "num_classes": cfg.num_classes, "image_size": cfg.image_size,
                       "batch_size": cfg.global_batch_size, "seed": cfg.seed},
         "chunk_blocks": {"1": [list(stage["blocks"]) for stage in plan]},
+        **layouts,
         **dataclasses.asdict(sweep),
     }  # fmt: skip
 
@@ -520,14 +524,14 @@ def native_runs(cfg: BenchPipelineConfig, cases: dict[str, dict[str, Any]]) -> d
     return figures
 
 
-def native_resnet(cfg: BenchPipelineConfig, plan: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """One round of ``results["native"]``: torch's GPipe and 1F1B on the stages of ``plan`` (the
-    seeds' split), the model as given; with ``--channels-last`` also, in the same torchrun,
-    ``results["native_channels_last"]``: the same stages computing channels-last as ours do, so
-    that the runtime and the memory format can be told apart."""
-    cases = {"native": resnet_case(cfg, plan)}
-    if cfg.channels_last:
-        cases["native_channels_last"] = resnet_case(cfg, plan, channels_last=True)
+def native_resnet(cfg: BenchPipelineConfig, ours: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """One round of ``results["native"]``: torch's GPipe and 1F1B on the stages of ``ours``' plan
+    (the seeds' split), the model as given; unless ``--memory-format contiguous``, also, in the
+    same torchrun, ``results["native_ours_layouts"]``: each stage in the layout ours computed it in
+    at that point, so that the runtime and the memory format can be told apart."""
+    cases = {"native": resnet_case(cfg, ours["plan"])}
+    if cfg.memory_format != "contiguous":
+        cases["native_ours_layouts"] = resnet_case(cfg, ours["plan"], ours["runs"])
     return {name: {**figures, "split": "fixed"} for name, figures in native_runs(cfg, cases).items()}
 
 
@@ -558,7 +562,7 @@ def seeds_split_rounds(
     for round_ in range(cfg.resnet_rounds):
         print(f"seeds' split, round {round_ + 1} of {cfg.resnet_rounds}", flush=True)
         ours.append(layout_runs(cfg, model, x, y, cfg.split_points, cfg.sweep))
-        native.append(native_resnet(cfg, ours[-1]["plan"]))
+        native.append(native_resnet(cfg, ours[-1]))
 
     def one(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         runs = pooled([side["runs"] for side in rounds])
@@ -615,12 +619,12 @@ def ratios_to_native(fixed: dict[str, Any], native: dict[str, Any]) -> dict[str,
 
 
 def summary(
-    local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: dict[str, Any], native_channels_last: dict[str, Any] | None = None
+    local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: dict[str, Any], native_ours_layouts: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The headline ratios of issue 6's goals (higher is better for every ``*_speedup``), and ours
     against the native peer: ``ours_over_native[schedule][m]`` = native / ours step seconds, on
     the same (seeds') split, schedule and m (>1: ours is faster), native running the model as
-    given; ``ours_over_native_channels_last`` the same against native computing channels-last."""
+    given; ``ours_over_native_ours_layouts`` the same against native computing in ours' layouts."""
     naive = find_run(layouts["fixed"], "gpipe", 1)["step_seconds"]["median"]
     whole = local["whole_batch"]["step_seconds"]["median"]
     name, best = best_run(layouts)
@@ -635,9 +639,9 @@ def summary(
     over = ratios_to_native(layouts["fixed"], native)
     result["ours_over_native"], result["ours_queued_over_native"] = over["step_seconds"], over["queued_step_seconds"]
     result["ours_over_native_by_round"] = over["by_round"]  # how far the pooled ratio moves with the machine's drift
-    if native_channels_last is not None:
-        # the same stages computing channels-last on both sides: the runtimes alone
-        result["ours_over_native_channels_last"] = ratios_to_native(layouts["fixed"], native_channels_last)["step_seconds"]
+    if native_ours_layouts is not None:
+        # the same stages in the same layouts on both sides: the runtimes alone
+        result["ours_over_native_ours_layouts"] = ratios_to_native(layouts["fixed"], native_ours_layouts)["step_seconds"]
     _, native_best = best_run({"native": native})
     result["best_native"] = {"schedule": native_best["schedule"], "microbatches": native_best["microbatches"]}
     result["best_native_seconds"] = native_best["step_seconds"]["median"]
@@ -692,10 +696,10 @@ def plot_bars(
 
 def plot_m_curve(
     path: Path, cfg: BenchPipelineConfig, local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: dict[str, Any],
-    native_channels_last: dict[str, Any] | None = None,
+    native_ours_layouts: dict[str, Any] | None = None,
 ) -> None:
     """Step time against m for every variant: the seeds' split-size curve; native ones dashed
-    (dotted: channels-last)."""
+    (dotted: in our stages' layouts)."""
 
     def points(runs: Sequence[dict[str, Any]]) -> list[tuple[int, dict[str, float]]]:
         return [(r["microbatches"], r["step_seconds"]) for r in runs]
@@ -706,9 +710,9 @@ def plot_m_curve(
             curves[f"{schedule}, {name} split"] = (points([r for r in layout["runs"] if r["schedule"] == schedule]), "-")
     for schedule in ("gpipe", "1f1b"):
         curves[f"torch {schedule}, {native['split']} split"] = (points([r for r in native["runs"] if r["schedule"] == schedule]), "--")
-        if native_channels_last is not None:
-            runs = [r for r in native_channels_last["runs"] if r["schedule"] == schedule]
-            curves[f"torch {schedule}, {native['split']} split, channels-last"] = (points(runs), ":")
+        if native_ours_layouts is not None:
+            runs = [r for r in native_ours_layouts["runs"] if r["schedule"] == schedule]
+            curves[f"torch {schedule}, {native['split']} split, our layouts"] = (points(runs), ":")
     title = f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.global_batch_size}, {cfg.stages} stages"
     curve_chart(path, curves, cfg.sweep, "micro-batches per step (m)", "seconds per training step", title)
 
@@ -798,7 +802,7 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
 
     local = in_fresh_process(one_process, cfg, model, x, y)
     fixed, natives = seeds_split_rounds(cfg, model, x, y)
-    native, native_channels_last = natives["native"], natives.get("native_channels_last")
+    native, native_ours_layouts = natives["native"], natives.get("native_ours_layouts")
     layouts = {"fixed": fixed}
     overhead = overhead_rounds(cfg) if cfg.overhead else None
     hybrid = hybrid_runs(cfg, model, x, y) if cfg.hybrid else None
@@ -813,7 +817,7 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     plots = [out / "step_time_bars.png", out / "m_curve.png"]
     plot_bars(plots[0], local, layouts, best_run(layouts), native)
-    plot_m_curve(plots[1], cfg, local, layouts, native, native_channels_last)
+    plot_m_curve(plots[1], cfg, local, layouts, native, native_ours_layouts)
     results: dict[str, Any] = {
         "benchmark": "pipeline",
         "machine": host,
@@ -821,7 +825,7 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
         "one_process": local,
         "layouts": layouts,
         **natives,
-        "summary": summary(local, layouts, native, native_channels_last),
+        "summary": summary(local, layouts, native, native_ours_layouts),
     }
     if overhead is not None:
         results["overhead"] = overhead_section(cfg, *overhead)

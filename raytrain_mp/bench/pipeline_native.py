@@ -54,7 +54,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from raytrain_mp.bench.common import join_torchrun_group, summarize, timed
 from raytrain_mp.bench.pipeline import seeded_mlp, seeded_setup, sgd, stage_modules, virtual_stages
-from raytrain_mp.pipeline.memory_format import ChannelsLast
+from raytrain_mp.pipeline.memory_format import in_layout
 from raytrain_mp.pipeline.stage import TORCH_SCHEDULES
 SETUPS = {"seeded_setup": seeded_setup, "seeded_mlp": seeded_mlp}
 
@@ -78,8 +78,6 @@ def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -
     held = {}
     for virtual, chunk_blocks in case["chunk_blocks"].items():
         chunks = [chunk.to(device).train() for chunk in stage_modules(model, chunk_blocks)[rank::world]]
-        if case.get("channels_last"):
-            chunks = [ChannelsLast(chunk) for chunk in chunks]
         held[int(virtual)] = (chunks, sgd(nn.ModuleList(chunks)))
     runs: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -89,7 +87,10 @@ def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -
         for m in case["microbatches"]:
             reason = uneven(len(x), m)
             if reason is None:
-                stages = [PipelineStage(chunk, rank + v * world, world * virtual, device) for v, chunk in enumerate(chunks)]
+                # in the layouts ours computed this point in, where the case names them
+                layouts = case.get("layouts", {}).get(f"{name} {m}", [["contiguous"] * virtual] * world)[rank]
+                runners = [in_layout(chunk, layout) for chunk, layout in zip(chunks, layouts)]
+                stages = [PipelineStage(runner, rank + v * world, world * virtual, device) for v, runner in enumerate(runners)]
                 try:
                     schedule = TORCH_SCHEDULES[name](stages if virtual > 1 else stages[0], m, loss_fn=F.cross_entropy)
                 except ValueError as exc:  # the schedule's own check, e.g. 1F1B with m < stages

@@ -11,6 +11,7 @@ import re
 
 from raytrain_mp.config import TrainOptions, check, check_choice, option
 from raytrain_mp.errors import UsageError
+from raytrain_mp.pipeline.memory_format import MEMORY_FORMATS
 from raytrain_mp.pipeline.schedule import SCHEDULES, check_schedule
 
 
@@ -62,14 +63,15 @@ class PipelineConfig(TrainOptions):
     cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
     placement: str = option("STRICT_PACK", "placement group strategy of the stages", PLACEMENTS)
     deferred_bn: bool = option(False, "BatchNorm running statistics committed once per batch (torchgpipe)")
-    channels_last: bool = option(
-        True, "stages compute convolutions channels-last (NHWC) and send contiguous tensors; --no-channels-last keeps the model's layout"
+    memory_format: str = option(
+        "auto", "layout each stage computes in: measured per stage (the faster of channels-last and contiguous), "
+        "channels_last (NHWC) or contiguous; tensors between stages are contiguous either way", MEMORY_FORMATS,
     )
     clip_grad_norm: float | None = option(None, "clip the global gradient norm across all stages")
 
     def validate(self) -> None:
         super().validate()
-        for name in ("balance", "schedule", "placement"):
+        for name in ("balance", "schedule", "placement", "memory_format"):
             check_choice(self, name)
         check(self.stages >= 1, "stages", f"must be >= 1, got {self.stages}")
         check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")

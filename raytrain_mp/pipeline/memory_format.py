@@ -1,39 +1,48 @@
-"""Run a stage's convolutions in channels-last memory format while every tensor that crosses a
-stage boundary stays contiguous.
+"""The memory format a stage computes in: channels-last or contiguous, chosen per stage by
+measurement, while every tensor that crosses a stage boundary stays contiguous.
 
-Job: ``channels_last(module)`` stores the module's 4-D weights channels-last (torch's own
-``nn.Module.to(memory_format=...)``), and ``ChannelsLast`` runs it on a channels-last copy of a
-4-D input and hands back a contiguous output, so the stage computes NHWC inside and speaks NCHW
-at its edges.
+Job: ``in_layout(module, layout)`` stores the module's 4-D weights in ``layout`` (torch's own
+``nn.Module.to(memory_format=...)``, in place) and returns what runs it: for ``"channels_last"`` a
+``ChannelsLast`` wrapper, which runs it on a channels-last copy of a 4-D input and hands back a
+contiguous output; for ``"contiguous"`` the module itself. ``faster_layout`` times a copy of a
+stage in both layouts on one micro-batch and names the faster (``"auto"``).
 
-Why: convolutions run faster on NHWC where the kernels are written for it: oneDNN on CPUs, and
-tensor cores under autocast on GPUs. ResNet-50 at 128x128, micro-batches of 8, one thread on this
-machine: forward 13% faster, backward the same; at the seeds' balanced cut (before
-``layer3.0.conv3``) stage 0's forward went from 0.209 to 0.161 s, stage 1's from 0.138 to 0.152 s,
-so the two stages also came closer. Why not torch's runtime alone: ``PipelineStage`` sizes its
-receive buffers from shapes (contiguous), and a P2P transfer (gloo, NCCL) moves a tensor's storage
-as raw bytes, so a channels-last activation or gradient sent as it is would arrive scrambled into
-the peer's buffer. This module is that boundary, written once for the trainer and the benchmark.
+Why: convolutions on NHWC run faster where the kernels are written for it (oneDNN on CPUs, tensor
+cores under autocast on GPUs), but not everywhere: ResNet-50 at 128x128, micro-batches of 8, one
+thread on this machine, channels-last made the early layers' forward much faster (stage 0 of the
+cut before ``layer3.0.conv3``: 0.209 -> 0.161 s) and the late, 8x8 and 4x4, layers slower (stage
+1: 0.138 -> 0.152 s), and in the pipeline it put 1F1B at m=8 on the seeds' split 5-15% behind the
+contiguous model. So a stage is measured in both, as it will run. Why not torch's runtime alone:
+``PipelineStage`` sizes its receive buffers from shapes (contiguous), and a P2P transfer (gloo,
+NCCL) moves a tensor's storage as raw bytes, so a channels-last activation or gradient sent as it
+is would arrive scrambled into the peer's buffer. This module is that boundary, written once for
+the trainer and the benchmark.
 
 Invariants:
 - Only the layout changes: values equal those of the contiguous module (up to the summation
   order inside a kernel; float64 stays within 1e-14).
-- The wrapped module's parameters are its own, converted in place, so state-dict keys and an
-  optimizer built over them are unchanged; tensors that are not 4-D floating point pass untouched.
-- The output and the gradient of the input are contiguous: what a receive buffer expects.
+- A module keeps its own parameters, converted in place, so state-dict keys and an optimizer
+  built over them are unchanged; tensors that are not 4-D floating point pass untouched.
+- What ``in_layout`` returns gives a contiguous output, and the gradient of its input comes back
+  contiguous: what a receive buffer expects.
+- ``faster_layout`` works on a copy: the module's parameters, gradients and BatchNorm statistics
+  are left as they were.
 """
 
 from __future__ import annotations
 
+import copy
+import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-
-def channels_last(module: nn.Module) -> nn.Module:
-    """``module`` with its 4-D parameters and buffers stored channels-last (in place; returned)."""
-    return module.to(memory_format=torch.channels_last)
+LAYOUTS = ("channels_last", "contiguous")
+MEMORY_FORMATS = ("auto", *LAYOUTS)  # what a trainer accepts: a layout, or measure per stage
+_FORMAT = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
 
 
 class _ToChannelsLast(torch.autograd.Function):
@@ -50,14 +59,49 @@ class _ToChannelsLast(torch.autograd.Function):
 
 
 class ChannelsLast(nn.Module):
-    """Runs ``module`` (converted by ``channels_last``) on a channels-last 4-D input; the output is
-    contiguous."""
+    """Runs ``module`` (stored channels-last) on a channels-last 4-D input; the output is contiguous."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        self.module = channels_last(module)
+        self.module = module.to(memory_format=torch.channels_last)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() == 4 and x.is_floating_point():
+        if _is_image(x):
             x = _ToChannelsLast.apply(x)
         return self.module(x).contiguous()
+
+
+def in_layout(module: nn.Module, layout: str) -> nn.Module:
+    """``module`` stored in ``layout`` (in place), and what runs it with contiguous tensors at its edges."""
+    if layout == "channels_last":
+        return ChannelsLast(module)
+    return module.to(memory_format=_FORMAT[layout])
+
+
+def faster_layout(
+    module: nn.Module, sample: Tensor, input_grad: bool, wrap: Callable[[nn.Module], nn.Module] = lambda m: m, repeats: int = 2
+) -> str:
+    """The layout in which a copy of ``module`` (run through ``wrap``, e.g. under autocast) takes
+    the least forward+backward seconds on ``sample`` (with its gradient when ``input_grad``, as
+    every stage but the first computes it): the median of ``repeats`` passes after one untimed
+    pass per layout. ``"contiguous"`` when ``sample`` is not a 4-D floating point tensor (there is
+    nothing to choose)."""
+    if not _is_image(sample):
+        return "contiguous"
+    seconds = {}
+    for layout in LAYOUTS:
+        runner = in_layout(wrap(copy.deepcopy(module)), layout)
+        x = sample.detach().clone().requires_grad_(input_grad)
+        passes = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            runner(x).float().square().mean().backward()
+            if x.device.type == "cuda":
+                torch.cuda.synchronize(x.device)
+            passes.append(time.perf_counter() - start)
+        seconds[layout] = statistics.median(passes[1:])
+    return min(LAYOUTS, key=seconds.__getitem__)
+
+
+def _is_image(x: Tensor) -> bool:
+    return x.dim() == 4 and x.is_floating_point()

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline.blocks import Block, Carry
+from raytrain_mp.pipeline.memory_format import LAYOUTS
 
 BALANCE_MODES = ("time", "params")
 NEGLIGIBLE_SHARE = 0.01  # a stage with less than this share of the total cost is negligible
@@ -325,20 +326,24 @@ def profile_blocks(
     device: torch.device | str = "cpu",
     repeats: int = 3,
     autocast_bf16: bool = False,
-    channels_last: bool = False,
+    memory_format: str = "contiguous",
 ) -> list[tuple[float, float]]:
     """Median (forward, backward) seconds of each block on ``device``, for one input ``sample``,
-    in channels-last memory format when ``channels_last`` (as a stage computes then).
+    in ``memory_format`` (``memory_format.MEMORY_FORMATS``; ``"auto"`` times both layouts and
+    takes each block's faster one, a stage's measured choice being made over whole stages later).
 
     ``sample`` should be shaped like one micro-batch: per-sample cost is not constant in the
     batch size (small batches cost more per sample on CPU). Runs on a copy in train mode, so the
     caller's BatchNorm statistics and gradients stay untouched. One warm-up pass is not counted.
     """
+    if memory_format == "auto":
+        both = [profile_blocks(model, blocks, sample, device, repeats, autocast_bf16, layout) for layout in LAYOUTS]
+        return [min(times, key=sum) for times in zip(*both)]
     device = torch.device(device)
     dtype = next(model.parameters()).dtype
     model = copy.deepcopy(model).to(device).train()
     x = sample.to(device=device, dtype=dtype) if sample.is_floating_point() else sample.to(device)
-    if channels_last and x.dim() == 4 and x.is_floating_point():
+    if memory_format == "channels_last" and x.dim() == 4 and x.is_floating_point():
         model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
     samples: list[list[tuple[float, float]]] = [[] for _ in blocks]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext()

@@ -276,7 +276,7 @@ def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch
         model, cfg.stages, split_points=cfg.split_points, balance=balance, schedule=cfg.schedule,
         num_microbatches=cfg.microbatches, optimizer=cfg.optimizer, lr=lr, momentum=cfg.momentum,
         weight_decay=cfg.weight_decay, use_gpu=cfg.use_gpu, deferred_bn=cfg.deferred_bn,
-        clip_grad_norm=cfg.clip_grad_norm, autocast_bf16=cfg.precision == "bf16", channels_last=cfg.channels_last,
+        clip_grad_norm=cfg.clip_grad_norm, autocast_bf16=cfg.precision == "bf16", memory_format=cfg.memory_format,
         placement_strategy=cfg.placement, cpus_per_stage=cfg.cpus_per_stage, sample_input=sample,
         virtual_stages=cfg.virtual_stages, num_replicas=cfg.replicas, balance_trials=cfg.balance_trials if balance == "time" else 0,
     )  # fmt: skip

@@ -13,8 +13,9 @@ A rank runs at niceness 0, where a torchrun rank runs, not at the 15 Ray gives i
 it got). A CPU rank's allocator keeps the memory a step frees for the next step
 (``allocator.keep_freed_memory``, glibc only; ``StageWorker.keeps_freed_memory`` says whether).
 
-With ``channels_last`` a rank computes its stages in channels-last memory format and sends and
-receives contiguous tensors (``memory_format.ChannelsLast``).
+A rank computes each stage in the configured ``memory_format`` (``memory_format``:
+``channels_last`` or ``contiguous``; ``auto`` times the stage in both on the first micro-batch of
+every new schedule, m or shape, and takes the faster), and sends and receives contiguous tensors.
 
 With ``virtual_stages`` V the model is cut into ``num_ranks * V`` stages and rank r holds stages
 r, r + num_ranks, ... (torch's interleaved layout); with V = 1 a rank holds one stage.
@@ -83,7 +84,7 @@ from raytrain_mp.optim import OPTIMIZERS, build_optimizer
 from raytrain_mp.pipeline.blocks import Block
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
 from raytrain_mp.pipeline.handoff import from_wire
-from raytrain_mp.pipeline.memory_format import ChannelsLast
+from raytrain_mp.pipeline.memory_format import faster_layout, in_layout
 from raytrain_mp.pipeline.partition import profile_blocks
 from raytrain_mp.pipeline.replica_sync import merge_deferred_stats, merge_running_stats, snapshot, sum_gradients
 from raytrain_mp.pipeline.replicas import global_rank, pipeline_ranks, stage_ranks
@@ -128,7 +129,7 @@ class StageConfig:
     num_cpus: int = 1
     deferred_bn: bool = False
     autocast_bf16: bool = False
-    channels_last: bool = False
+    memory_format: str = "contiguous"  # or channels_last, or auto (memory_format.MEMORY_FORMATS)
     p2p_timeout_s: float = 300.0
     replica: int = 0
     num_replicas: int = 1
@@ -174,13 +175,13 @@ def configure_device(use_gpu: bool, num_cpus: int) -> torch.device:
 
 def profile_on_stage_device(
     model: nn.Module, blocks: list[Block], sample: Tensor, use_gpu: bool, num_cpus: int, autocast_bf16: bool,
-    channels_last: bool = False,
+    memory_format: str = "contiguous",
 ) -> list[tuple[float, float]]:
     """``partition.profile_blocks`` on a rank's device; the body of the trainer's profiling task,
     whose process exits afterwards (so its allocator settings, ``keep_freed_memory``, go with it)."""
     device = configure_device(use_gpu, num_cpus)
     keep_freed_memory()
-    return profile_blocks(model, blocks, sample, device, autocast_bf16=autocast_bf16, channels_last=channels_last)
+    return profile_blocks(model, blocks, sample, device, autocast_bf16=autocast_bf16, memory_format=memory_format)
 
 
 class _Autocast(nn.Module):
@@ -273,9 +274,12 @@ class StageWorker:
         if config.deferred_bn:
             modules = [convert_deferred_batchnorm(module) for module in modules]
         self.modules = [module.to(self.device).train() for module in modules]
-        # What runs a stage's forward, here and in torch's runtime: the module, in channels-last
-        # and under autocast as configured (the state dicts stay those of self.modules).
-        self._runners = [self._runner(module) for module in self.modules]
+        # What runs a stage's forward, here and in torch's runtime: the module in its layout, under
+        # autocast as configured (the state dicts stay those of self.modules). Under "auto" a stage
+        # is contiguous until its first step measures it (_build_schedule).
+        layout = "contiguous" if config.memory_format == "auto" else config.memory_format
+        self._layouts = [layout for _ in self.modules]
+        self._runners = [in_layout(self._wrap(module), layout) for module in self.modules]
         self.dtype = next(p for module in self.modules for p in module.parameters()).dtype
         check_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay)
         self.optimizer = build_optimizer(
@@ -401,9 +405,12 @@ class StageWorker:
         # under autocast), and casting it would change the computation.
         return x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
 
-    def _runner(self, module: nn.Module) -> nn.Module:
-        runner = _Autocast(module, self.device.type) if self.config.autocast_bf16 else module
-        return ChannelsLast(runner) if self.config.channels_last else runner
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        return _Autocast(module, self.device.type) if self.config.autocast_bf16 else module
+
+    def memory_formats(self) -> list[str]:
+        """The layout each of this rank's stages computes in (``memory_format.LAYOUTS``)."""
+        return list(self._layouts)
 
     # -- training ----------------------------------------------------------------------------------
 
@@ -415,6 +422,11 @@ class StageWorker:
         """Torch's schedule over this rank's stages (a list for the interleaved ones), with static
         shapes from one probe micro-batch."""
         _, shapes = self._forward_chain([probe] if self.holds_first else 1)
+        if self.config.memory_format == "auto":
+            for local, (module, (x, _)) in enumerate(zip(self.modules, shapes)):
+                layout = faster_layout(module, x, self.config.stage_index(local) > 0, self._wrap)
+                if layout != self._layouts[local]:
+                    self._layouts[local], self._runners[local] = layout, in_layout(self._wrap(module), layout)
         stages = []
         for local, (runner, (x, y)) in enumerate(zip(self._runners, shapes)):
             index = self.config.stage_index(local)

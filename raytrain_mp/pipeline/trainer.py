@@ -52,6 +52,7 @@ from raytrain_mp.cluster import reachable, resolve_use_gpu, use_token_if_the_clu
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
 from raytrain_mp.pipeline.handoff import to_wire
+from raytrain_mp.pipeline.memory_format import MEMORY_FORMATS
 from raytrain_mp.pipeline.microbatch import check_microbatches
 from raytrain_mp.pipeline.partition import (
     BALANCE_MODES,
@@ -169,7 +170,7 @@ def check_resources(
 
 def _check_options(
     model: nn.Module, optimizer: str, lr: float, momentum: float, weight_decay: float,
-    clip_grad_norm: float | None, cpus_per_stage: int, p2p_timeout_s: float,
+    clip_grad_norm: float | None, cpus_per_stage: int, p2p_timeout_s: float, memory_format: str,
 ) -> None:
     first = next(model.parameters(), None)
     if first is None:
@@ -184,6 +185,8 @@ def _check_options(
         raise UsageError(f"cpus_per_stage: must be a whole number >= 1, got {cpus_per_stage}")
     if not p2p_timeout_s > 0:
         raise UsageError(f"p2p_timeout_s: must be > 0 seconds, got {p2p_timeout_s}")
+    if memory_format not in MEMORY_FORMATS:
+        raise UsageError(f"memory_format: unknown layout {memory_format!r}; accepted: {', '.join(MEMORY_FORMATS)}")
 
 
 def check_batch(batch: int, num_microbatches: int, num_replicas: int) -> None:
@@ -244,10 +247,12 @@ class PipelineTrainer:
     (``rescale_to_measured``) and cut anew; a new cut runs in turn, up to ``TRIAL_CUTS`` cuts;
     the one with the smallest median bubble stays, built afresh. ``balance_trials`` reports every
     cut run, ``profile`` the (forward, backward) seconds of each block.
-    ``channels_last`` (default) runs each stage's convolutions in channels-last memory format
-    (faster on CPUs through oneDNN and on GPUs under autocast) while activations and gradients
-    travel between ranks contiguous (``memory_format.ChannelsLast``); models without 4-D
-    activations are unaffected, and ``False`` keeps the model's own layout.
+    ``memory_format`` is the layout each stage computes in: ``"channels_last"`` (NHWC, the layout
+    oneDNN's CPU kernels and GPU tensor cores favour), ``"contiguous"`` (the model's own), or
+    ``"auto"`` (default): each rank times each of its stages in both on the first micro-batch of
+    every new schedule, m or micro-batch shape, and keeps the faster (``memory_formats`` says what
+    each rank chose). Activations and gradients travel between ranks contiguous whatever the
+    layout (``memory_format.ChannelsLast``); models without 4-D activations are unaffected.
     ``use_gpu=None`` uses GPUs when the Ray cluster has one for each rank (NCCL between them; gloo
     between CPU ranks), else CPUs. A receive that waits longer than ``p2p_timeout_s`` fails the step.
 
@@ -279,7 +284,7 @@ class PipelineTrainer:
         deferred_bn: bool = False,
         clip_grad_norm: float | None = None,
         autocast_bf16: bool = False,
-        channels_last: bool = True,
+        memory_format: str = "auto",
         placement_strategy: str = "STRICT_PACK",
         cpus_per_stage: int = 1,
         sample_input: Tensor | None = None,
@@ -297,7 +302,7 @@ class PipelineTrainer:
         check_stage_count(len(blocks), parts)
         self.num_stages, self.virtual_stages = num_stages, virtual_stages
         self.set_schedule(schedule, num_microbatches)
-        _check_options(model, optimizer, lr, momentum, weight_decay, clip_grad_norm, cpus_per_stage, p2p_timeout_s)
+        _check_options(model, optimizer, lr, momentum, weight_decay, clip_grad_norm, cpus_per_stage, p2p_timeout_s, memory_format)
         check_replicas(num_replicas)
         self.num_replicas = num_replicas
         balance = _balance_mode(split_points, balance, sample_input, num_microbatches)
@@ -340,7 +345,7 @@ class PipelineTrainer:
             template = StageConfig(
                 rank=0, num_ranks=num_stages, virtual_stages=virtual_stages, optimizer=optimizer, lr=lr,
                 momentum=momentum, weight_decay=weight_decay, use_gpu=use_gpu, num_cpus=cpus_per_stage,
-                deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, channels_last=channels_last, p2p_timeout_s=p2p_timeout_s,
+                deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, memory_format=memory_format, p2p_timeout_s=p2p_timeout_s,
                 replica=0, num_replicas=num_replicas,
             )  # fmt: skip
             self.balance_trials: list[dict[str, Any]] = []  # per cut run on the actors, the profile's first
@@ -472,7 +477,7 @@ class PipelineTrainer:
         # allocator settings (allocator.keep_freed_memory) die with it.
         task = ray.remote(max_calls=1)(profile_on_stage_device).options(**self._placement(0, config.num_cpus))
         return ray.get(
-            task.remote(model, blocks, sample, self.use_gpu, config.num_cpus, config.autocast_bf16, config.channels_last)
+            task.remote(model, blocks, sample, self.use_gpu, config.num_cpus, config.autocast_bf16, config.memory_format)
         )
 
     def set_schedule(self, schedule: str | None = None, num_microbatches: int | None = None) -> None:
@@ -482,6 +487,12 @@ class PipelineTrainer:
         num_microbatches = self.num_microbatches if num_microbatches is None else num_microbatches
         check_schedule(schedule, self.num_stages, self.virtual_stages, num_microbatches)
         self.schedule, self.num_microbatches = schedule, num_microbatches
+
+    @property
+    def memory_formats(self) -> list[list[str]]:
+        """Per actor (replica-major), the layout each of its stages computes in now: under
+        ``memory_format="auto"`` what the last new schedule, m or micro-batch shape measured faster."""
+        return self._call_all("memory_formats")
 
     # -- calls -----------------------------------------------------------------------------------
 

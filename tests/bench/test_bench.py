@@ -100,6 +100,9 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
             assert len(run["samples"]["step_seconds"]) == len(run.get("round_medians", {}).get("step_seconds", [0])) == (2 if name == "fixed" else 1)
             assert 0 <= run["queued_bubble_fraction"]["min"] and run["queued_bubble_fraction"]["max"] < 1
             assert len(run["busy_seconds"]) == 2
+            # --memory-format auto: per actor, each stage's layout as measured at this point
+            assert [len(stages) for stages in run["memory_formats"]] == [virtual, virtual]
+            assert {layout for stages in run["memory_formats"] for layout in stages} <= {"channels_last", "contiguous"}
             assert len(run.get("peak_activation_bytes", [0, 0])) == 2 and ("peak_activation_bytes" in run) == (virtual == 1)
             assert run["bubble_formula"] == 1 / (virtual * run["microbatches"] + 1)
             assert ("bubble_for_stage_times" in run) == (virtual == 1)
@@ -184,10 +187,11 @@ def assert_overhead(results: dict, printed: dict) -> None:
 
 def assert_native(results: dict) -> None:
     """torch.distributed.pipelining ran on the seeds' split under torchrun, the model as given and
-    (--channels-last, the default) the same stages channels-last: GPipe at every m, 1F1B where the
-    API allows it (m >= stages), each measured pair compared with ours."""
+    (--memory-format auto, the default) each stage in the layout ours measured faster at that
+    point: GPipe at every m, 1F1B where the API allows it (m >= stages), each measured pair
+    compared with ours."""
     measured = {("gpipe", 1), ("gpipe", 2), ("1f1b", 2)}
-    for side in ("native", "native_channels_last"):
+    for side in ("native", "native_ours_layouts"):
         native = results[side]
         assert native["api"].startswith("torch.distributed.pipelining")
         assert native["backend"] in ("gloo", "nccl") and native["world"] == 2 and native["threads"] == 1
@@ -205,7 +209,7 @@ def assert_native(results: dict) -> None:
     ratios_of = (
         ("ours_over_native", "native", "step_seconds"),
         ("ours_queued_over_native", "native", "queued_step_seconds"),
-        ("ours_over_native_channels_last", "native_channels_last", "step_seconds"),
+        ("ours_over_native_ours_layouts", "native_ours_layouts", "step_seconds"),
     )
     for key, side, figure in ratios_of:
         ratios = summary[key]
@@ -289,6 +293,7 @@ def test_bench_bad_input(capsys, tmp_path):
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-rounds", "0"), "--overhead-rounds: must be >= 1, got 0")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--resnet-rounds", "0"), "--resnet-rounds: must be >= 1, got 0")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--balance-trials", "-1"), "--balance-trials: must be >= 0, got -1")
+    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--memory-format", "nhwc"), "--memory-format", "'nhwc'")
     assert_usage_error(
         run_cli(capsys, "bench", "pipeline", "--out", out, "--balance-microbatches", "3"),
         "--balance-microbatches: must divide --global-batch-size 64 for --balance-trials' steps, got 3",

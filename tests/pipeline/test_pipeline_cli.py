@@ -38,6 +38,7 @@ def tiny_data(tmp_path_factory) -> str:
         (["--virtual-stages", "2"], ["--virtual-stages: the gpipe schedule runs one stage per rank, got 2"]),
         (["--schedule", "interleaved-1f1b", "--virtual-stages", "10"], ["--stages: 20 stages for 18 blocks"]),
         (["--precision", "fp16"], ["--precision", "invalid choice: 'fp16'"]),
+        (["--memory-format", "nhwc"], ["--memory-format", "invalid choice: 'nhwc'"]),
         (["--global-batch-size", "500"], ["--global-batch-size 500 exceeds the 160 training samples"]),
         (["--replicas", "0"], ["--replicas: must be >= 1, got 0"]),
         (["--steps-per-call", "0"], ["--steps-per-call: must be >= 1, got 0"]),

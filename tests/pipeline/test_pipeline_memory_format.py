@@ -1,5 +1,6 @@
-"""memory_format.ChannelsLast: the same values as the contiguous module, contiguous tensors at the
-edges (what a peer's receive buffer expects), the module's own parameters and keys."""
+"""memory_format: ChannelsLast gives the same values as the contiguous module, contiguous tensors at
+the edges (what a peer's receive buffer expects), the module's own parameters and keys; in_layout
+converts both ways; faster_layout measures on a copy."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from raytrain_mp.models import build_model
 from raytrain_mp.pipeline.blocks import StageModule, flatten_model
-from raytrain_mp.pipeline.memory_format import ChannelsLast
+from raytrain_mp.pipeline.memory_format import LAYOUTS, ChannelsLast, faster_layout, in_layout
 
 
 def _stage() -> tuple[nn.Module, nn.Module]:
@@ -48,3 +49,25 @@ def test_inputs_that_are_not_4d_floating_point_pass_untouched() -> None:
     embed = nn.Embedding(10, 2)
     tokens = torch.randint(0, 10, (2, 3, 4, 5))
     assert torch.equal(ChannelsLast(embed)(tokens), embed(tokens))
+
+
+def test_in_layout_converts_both_ways_in_place() -> None:
+    plain, stage = _stage()
+    weight = stage.get_submodule("layer1.0.conv1").weight
+    runner = in_layout(stage, "channels_last")
+    assert isinstance(runner, ChannelsLast) and runner.module is stage
+    assert weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous()
+    assert in_layout(stage, "contiguous") is stage and weight.is_contiguous()
+    x = torch.randn(2, 64, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(stage(x), plain(x), rtol=0, atol=0)
+
+
+def test_faster_layout_measures_a_copy_and_leaves_the_module_alone() -> None:
+    stage, before = _stage()
+    x = torch.randn(2, 64, 16, 16, dtype=torch.float64)
+    assert faster_layout(stage, x, input_grad=True) in LAYOUTS
+    assert all(p.grad is None for p in stage.parameters())
+    for (key, value), (_, want) in zip(stage.state_dict().items(), before.state_dict().items(), strict=True):
+        assert torch.equal(value, want) and value.is_contiguous(), key  # BatchNorm statistics too
+    # nothing to choose without a 4-D floating point input
+    assert faster_layout(nn.Linear(4, 2), torch.randn(3, 4), input_grad=False) == "contiguous"

@@ -122,7 +122,7 @@ class TestReplicasAgainstGradientAccumulation:
         dtype, replicas, stages, m = request.param
         trainer = PipelineTrainer(
             _model(dtype), stages, num_replicas=replicas, num_microbatches=m, lr=LRS[0], momentum=0.9, weight_decay=0.0,
-            use_gpu=False,
+            use_gpu=False, memory_format="channels_last",  # a layout the reference can compute in too
         )
         trainer.dtype = dtype
         yield trainer
@@ -139,7 +139,7 @@ class TestReplicasAgainstGradientAccumulation:
             first, second = trainer.state_dict(0), trainer.state_dict(1)
             assert all(torch.equal(first[key], second[key]) for key in first)
         # The reference: one process, the whole batch in R x m micro-batches.
-        # (computed as the stages compute: channels-last, PipelineTrainer's default)
+        # (computed as the stages compute: channels-last)
         want_losses, want_state = _reference(trainer.dtype, trainer.num_replicas * trainer.num_microbatches, steps, True)
         rtol = 1e-10 if float64 else 1e-5
         assert losses == pytest.approx(want_losses, rel=rtol)

@@ -80,7 +80,8 @@ def _accumulate(
 def _reference(
     dtype: torch.dtype, m: int, steps: int, channels_last: bool = False
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """``channels_last``: the model and batches in that layout, on one thread, as the stages compute.
+    """``channels_last``: the model and batches in that layout, on one thread, as the stages compute
+    under ``memory_format="channels_last"``.
     In float32 the layouts' kernels round differently (conv1.weight 7.6e-5 apart after one step of
     ResNet-18 at 64x64 here), and channels-last ones also by thread count (4.2e-5 between 1 and 2
     threads, 3.5e-8 for contiguous ones), so a float32 pipeline is held to the reference computed
@@ -118,7 +119,7 @@ def _receives_posted_ahead(trainer: PipelineTrainer) -> list[int]:
 class Pipeline:
     trainer: PipelineTrainer
     dtype: torch.dtype
-    channels_last: bool
+    memory_format: str
     initial_state: dict
     initial_optimizer_states: list
 
@@ -140,17 +141,19 @@ class TestAgainstGradientAccumulation:
     )
     def pipeline(self, request: pytest.FixtureRequest, ray_session: object) -> Iterator[Pipeline]:
         dtype, num_stages, virtual = request.param
-        channels_last = (dtype, num_stages, virtual) != (torch.float64, 3, 1)
+        memory_format = {torch.float32: "channels_last", torch.float64: "auto"}[dtype]
+        memory_format = "contiguous" if (dtype, num_stages, virtual) == (torch.float64, 3, 1) else memory_format
         # float32 runs use split points by name (the seeds' split for 2 stages); float64 runs the
         # default parameter balance, whose cuts fall inside residual blocks (test_plan_and_stats).
-        # Stages compute channels-last (the default) but on f64-3ranks, which keeps the model's layout.
+        # Layouts: float32 channels-last, so that the reference can compute as the stages do;
+        # float64 measured per stage (the default), but contiguous on f64-3ranks.
         split = {(2, 1): ["layer3"], (3, 2): ["layer1.1", "layer2.0", "layer2.1", "layer3.1", "layer4.0"]}
         trainer = PipelineTrainer(
             _model(dtype), num_stages, split_points=split[num_stages, virtual] if dtype == torch.float32 else None,
             schedule=SCHEDULES_OF[virtual][0], virtual_stages=virtual, lr=LRS[0], momentum=0.9, weight_decay=0.0,
-            use_gpu=False, channels_last=channels_last,
+            use_gpu=False, memory_format=memory_format,
         )  # fmt: skip
-        yield Pipeline(trainer, dtype, channels_last, trainer.state_dict(), trainer.optimizer_state_dicts())
+        yield Pipeline(trainer, dtype, memory_format, trainer.state_dict(), trainer.optimizer_state_dicts())
         trainer.shutdown()
 
     @pytest.mark.parametrize(("schedule", "m"), CASES)
@@ -176,7 +179,7 @@ class TestAgainstGradientAccumulation:
             for (x, y), lr in batches:
                 trainer.set_lr(lr)
                 losses.append(trainer.train_step(x, y))
-        want_losses, want_state = _reference(pipeline.dtype, m, steps, pipeline.channels_last)
+        want_losses, want_state = _reference(pipeline.dtype, m, steps, pipeline.memory_format == "channels_last")
         rtol = 1e-10 if float64 else 1e-5
         assert losses == pytest.approx(want_losses, rel=rtol)
         _assert_state_close(trainer.state_dict(), want_state, rtol)
@@ -189,6 +192,13 @@ class TestAgainstGradientAccumulation:
         }.get(schedule, [0 for _ in ranks])
         posted = [after - before for before, after in zip(posted_before, _receives_posted_ahead(trainer))]
         assert posted == [(steps - 1) * count for count in per_step]
+        # Each stage computed in a layout; the configured one, or under auto the one measured faster.
+        layouts = trainer.memory_formats
+        assert [len(rank) for rank in layouts] == [trainer.virtual_stages] * trainer.num_stages
+        if pipeline.memory_format == "auto":
+            assert {layout for rank in layouts for layout in rank} <= {"channels_last", "contiguous"}
+        else:
+            assert layouts == [[pipeline.memory_format] * trainer.virtual_stages] * trainer.num_stages
 
     def test_state_dict_loads_into_torchvision_and_predictions_match(self, pipeline: Pipeline) -> None:
         x, _ = _batches(pipeline.dtype, 1)[0]
@@ -388,6 +398,7 @@ def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) 
         ({"schedule": "interleaved-1f1b"}, "virtual_stages: interleaved-1f1b needs at least 2 stages per rank, got 1"),
         ({"virtual_stages": 0}, "virtual_stages: must be >= 1, got 0"),
         ({"p2p_timeout_s": 0}, "p2p_timeout_s: must be > 0 seconds, got 0"),
+        ({"memory_format": "nhwc"}, "memory_format: unknown layout 'nhwc'; accepted: auto, channels_last, contiguous"),
         ({"cpus_per_stage": 0}, "cpus_per_stage: must be a whole number >= 1, got 0"),
         ({"cpus_per_stage": 3}, "cpus_per_stage: 2 stages need 6 CPU (3 each); the Ray cluster has 4"),
         ({"placement_strategy": "RANDOM"},
