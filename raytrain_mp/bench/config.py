@@ -11,7 +11,7 @@ from typing import Any
 
 from raytrain_mp.config import check, check_choice, check_local, check_writable, option
 from raytrain_mp.models import MODEL_NAMES
-from raytrain_mp.pipeline.memory_format import MEMORY_FORMATS
+from raytrain_mp.pipeline.layouts import MEMORY_FORMATS
 from raytrain_mp.pipeline.schedule import SCHEDULES
 
 SEEDS_SPLIT = ("layer3",)

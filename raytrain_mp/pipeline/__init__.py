@@ -3,7 +3,8 @@
 Pure pieces (no Ray): ``blocks`` (model -> named blocks), ``partition`` (blocks -> stages),
 ``schedule`` (names, limits, ideal bubbles), ``microbatch`` (batch -> micro-batches), ``deferred_bn``, ``replicas``
 (data x pipeline: rank layout, batch shares, replica placement, BatchNorm merge weights), ``handoff``
-(a batch to a stage actor, zero-copy). Ray pieces:
+(a batch to a stage actor, zero-copy), ``layouts`` (memory-format names), ``memory_format`` (a
+stage's layout: channels-last or contiguous inside, contiguous at its edges). Ray pieces:
 ``stage`` (one rank's actor body, running torch.distributed.pipelining's schedules), ``replica_sync`` (what a
 stage's replicas all-reduce after each step), ``trainer`` (``PipelineTrainer``, the driver) and ``run`` (the
 ``raytrain-mp pipeline`` training run over epochs); ``config`` holds its ``PipelineConfig``.

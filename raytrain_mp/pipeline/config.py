@@ -11,7 +11,7 @@ import re
 
 from raytrain_mp.config import TrainOptions, check, check_choice, option
 from raytrain_mp.errors import UsageError
-from raytrain_mp.pipeline.memory_format import MEMORY_FORMATS
+from raytrain_mp.pipeline.layouts import MEMORY_FORMATS
 from raytrain_mp.pipeline.schedule import SCHEDULES, check_schedule
 
 

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-LAYOUTS = ("channels_last", "contiguous")
-MEMORY_FORMATS = ("auto", *LAYOUTS)  # what a trainer accepts: a layout, or measure per stage
+from raytrain_mp.pipeline.layouts import LAYOUTS
+
 _FORMAT = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
 
 

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline.blocks import Block, Carry
-from raytrain_mp.pipeline.memory_format import LAYOUTS
+from raytrain_mp.pipeline.layouts import LAYOUTS
 
 BALANCE_MODES = ("time", "params")
 NEGLIGIBLE_SHARE = 0.01  # a stage with less than this share of the total cost is negligible

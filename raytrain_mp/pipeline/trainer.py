@@ -52,7 +52,7 @@ from raytrain_mp.cluster import reachable, resolve_use_gpu, use_token_if_the_clu
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
 from raytrain_mp.pipeline.handoff import to_wire
-from raytrain_mp.pipeline.memory_format import MEMORY_FORMATS
+from raytrain_mp.pipeline.layouts import MEMORY_FORMATS
 from raytrain_mp.pipeline.microbatch import check_microbatches
 from raytrain_mp.pipeline.partition import (
     BALANCE_MODES,
