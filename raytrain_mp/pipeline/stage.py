@@ -129,7 +129,7 @@ class StageConfig:
     num_cpus: int = 1
     deferred_bn: bool = False
     autocast_bf16: bool = False
-    memory_format: str = "contiguous"  # or channels_last, or auto (memory_format.MEMORY_FORMATS)
+    memory_format: str = "contiguous"  # or channels_last, or auto (layouts.MEMORY_FORMATS)
     p2p_timeout_s: float = 300.0
     replica: int = 0
     num_replicas: int = 1
@@ -409,7 +409,7 @@ class StageWorker:
         return _Autocast(module, self.device.type) if self.config.autocast_bf16 else module
 
     def memory_formats(self) -> list[str]:
-        """The layout each of this rank's stages computes in (``memory_format.LAYOUTS``)."""
+        """The layout each of this rank's stages computes in (``layouts.LAYOUTS``)."""
         return list(self._layouts)
 
     # -- training ----------------------------------------------------------------------------------
