@@ -329,7 +329,7 @@ def profile_blocks(
     memory_format: str = "contiguous",
 ) -> list[tuple[float, float]]:
     """Median (forward, backward) seconds of each block on ``device``, for one input ``sample``,
-    in ``memory_format`` (``memory_format.MEMORY_FORMATS``; ``"auto"`` times both layouts and
+    in ``memory_format`` (``layouts.MEMORY_FORMATS``; ``"auto"`` times both layouts and
     takes each block's faster one, a stage's measured choice being made over whole stages later).
 
     ``sample`` should be shaped like one micro-batch: per-sample cost is not constant in the
