@@ -24,6 +24,10 @@ import pytest
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray Train's controller polls its workers every 2 s, so a fit's start and end each wait up to
+# one poll; measured here, 0.3 s took a 2-worker fit's end from 5.1 s to 2.3 s. Every Ray the
+# tests start (the session's, the commands', the simulated clusters') inherits it.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.3")
 for _name, _value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():  # fmt: skip
     os.environ.setdefault(_name, _value)
@@ -95,7 +99,9 @@ def ray_session():
         quiet_ray_train_logs()
         fake_gpus = os.environ.get("RAYTRAIN_MP_TEST_RAY_GPUS")
         gpus = {"num_gpus": int(fake_gpus)} if fake_gpus else {}
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True, **gpus)
+        # "local": a new Ray of its own even where another runs on this machine (a plain init
+        # would join that one through /tmp/ray/ray_current_cluster and refuse num_cpus)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True, **gpus)
     yield ray
     ray.shutdown()
 

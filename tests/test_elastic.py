@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import load_model_pt, max_abs_diff
+from helpers import load_model_pt, max_abs_diff, write_digits_cut
 from simulated_cluster import SimulatedCluster, driver_env
 
 pytestmark = pytest.mark.slow  # a simulated cluster and four DDP runs on it
 
 ARGS = [
-    "--no-use-gpu", "--precision", "fp64", "--epochs", "2", "--global-batch-size", "256", "--base-lr", "0.1",
+    "--no-use-gpu", "--precision", "fp64", "--epochs", "2", "--global-batch-size", "128", "--base-lr", "0.1",
     "--seed", "3", "--log-every", "0", "--cpus-per-worker", "2", "--loader-workers", "0", "--placement", "SPREAD",
     "--checkpoint-every-steps", "2", "--json",
 ]  # fmt: skip
@@ -78,12 +78,14 @@ class Run:
 @pytest.fixture(scope="module")
 def elastic_runs(tmp_path_factory):
     storage = tmp_path_factory.mktemp("elastic")
+    data = ("--data", write_digits_cut(storage / "digits", 640, 160))  # 5 steps of 128 an epoch
     cluster = SimulatedCluster(workers=1)
     try:
-        reference = Run(cluster.address, storage, "reference", "--num-workers", "2").finish()
+        reference = Run(cluster.address, storage, "reference", *data, "--num-workers", "2").finish()
 
         go = storage / "shrink-go"
-        shrink = Run(cluster.address, storage, "shrink", "--num-workers", "1-2", "--max-failures", "1", "--hold-at-step", f"2:{go}")
+        shrink = Run(cluster.address, storage, "shrink", *data, "--num-workers", "1-2", "--max-failures", "1",
+                     "--hold-at-step", f"2:{go}")  # fmt: skip
         shrink.wait_for(lambda: shrink.checkpointed("checkpoint_000001_step_000002"), "step checkpoint 2")
         cluster.remove_worker_node(0)
         lost = time.monotonic()
@@ -92,7 +94,7 @@ def elastic_runs(tmp_path_factory):
         shrink_result = shrink.finish()
 
         go = storage / "grow-go"
-        grow = Run(cluster.address, storage, "grow", "--num-workers", "1-2", "--max-failures", "1", "--resize-interval", "1",
+        grow = Run(cluster.address, storage, "grow", *data, "--num-workers", "1-2", "--max-failures", "1", "--resize-interval", "1",
                    "--hold-at-step", f"2:{go}")  # fmt: skip
         grow.wait_for(lambda: grow.checkpointed("checkpoint_000001_step_000002"), "step checkpoint 2")
         cluster.add_worker_node()

@@ -65,7 +65,14 @@ def maybe_inject_fault(spec: str | None, rank: int, at: str) -> None:
     if spec is None:
         return
     fault_rank, when, marker = spec.split(":", 2)
-    if rank == int(fault_rank) and when == at and not Path(marker).exists():
+    if when != at:
+        return
+    # Every rank's report is queued before one of them fails: Ray Train registers a checkpoint
+    # only from a poll that finds every rank's report, and a fast poll that finds the failure
+    # before rank 0 has written the checkpoint would lose it.
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == int(fault_rank) and not Path(marker).exists():
         what = f"epoch {at}" if at.isdigit() else f"step {at[1:]}"
         Path(marker).write_text(f"rank {rank} crashed after {what}\n")
         raise RuntimeError(f"injected fault: rank {rank} after {what}")

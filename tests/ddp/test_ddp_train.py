@@ -1,7 +1,8 @@
 """DDP on Ray Train, end to end through `raytrain-mp ddp`: invariances that make it correct.
 
 Each fit costs ~20 s of Ray Train start-up on 2 cores, so runs are module-scoped and shared:
-  fp64 digits, 2 epochs of 5 steps: 1 worker | 2 workers | 2 workers --no-sync-bn | 2 workers crashing once
+  fp64 on a 640/160 cut of digits, 2 epochs of 5 steps of 128: 1 worker | 2 workers |
+  2 workers --no-sync-bn | 2 workers crashing once
   the same with --augment and loader processes: 1 worker with 2 | 2 workers with 1 each (2 loader
   processes either way; 2 workers with 2 each would need 6 CPUs, the session's Ray has 4) |
   1 worker with 2 crashing once
@@ -18,15 +19,16 @@ import json
 import pytest
 import torch
 
-from helpers import load_model_pt, make_image_folder, max_abs_diff, run_cli_json
+from helpers import load_model_pt, make_image_folder, max_abs_diff, run_cli_json, write_digits_cut
 from raytrain_mp.models import build_model
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # fp64 and fp32 DDP runs
 
 # Even float64 training is chaotic: measured here, 1- and 2-worker runs agree to 1e-14 after one
 # step, but at peak lr 0.2 differ by 5e-10 of a layer4 running variance after 11 steps and by 3.6e-8
-# after 22. At peak lr 0.1 and 10 steps (global batch 256) they agree to 5e-14.
-FP64_ARGS = ["--precision", "fp64", "--epochs", "2", "--global-batch-size", "256", "--base-lr", "0.1", "--seed", "3", "--log-every", "0"]
+# after 22. At peak lr 0.1 and 10 steps (global batch 256) they agree to 5e-14. The runs here take
+# 10 steps of global batch 128 (peak lr 0.05) on a cut of digits, half the compute of full digits.
+FP64_ARGS = ["--precision", "fp64", "--epochs", "2", "--global-batch-size", "128", "--base-lr", "0.1", "--seed", "3", "--log-every", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,13 @@ def storage(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fp64_runs(ray_session, digits_dir, storage, tmp_path_factory):
+def fp64_data(tmp_path_factory) -> str:
+    """Digits cut to 640 train / 160 val samples: 5 steps of global batch 128 an epoch."""
+    return write_digits_cut(tmp_path_factory.mktemp("digits") / "fp64", 640, 160)
+
+
+@pytest.fixture(scope="module")
+def fp64_runs(ray_session, fp64_data, storage, tmp_path_factory):
     marker = tmp_path_factory.mktemp("fault") / "crashed"
     runs = {
         "one": ["--num-workers", "1"],
@@ -43,14 +51,14 @@ def fp64_runs(ray_session, digits_dir, storage, tmp_path_factory):
         "two_no_sync": ["--num-workers", "2", "--no-sync-bn"],
         "two_crash": ["--num-workers", "2", "--max-failures", "1", "--inject-fault", f"1:1:{marker}"],
     }
-    results = fp64_fits(storage, runs)
-    results["marker"] = marker
+    results = fp64_fits(storage, fp64_data, runs)
+    results |= {"marker": marker, "data": fp64_data}
     return results
 
 
-def fp64_fits(storage: str, runs: dict[str, list[str]]) -> dict:
+def fp64_fits(storage: str, data: str, runs: dict[str, list[str]]) -> dict:
     return {
-        key: run_cli_json("ddp", "--no-use-gpu", "--storage-path", storage, "--name", f"fp64-{key}", *FP64_ARGS, *extra)
+        key: run_cli_json("ddp", "--no-use-gpu", "--data", data, "--storage-path", storage, "--name", f"fp64-{key}", *FP64_ARGS, *extra)
         for key, extra in runs.items()
     }
 
@@ -65,10 +73,10 @@ def loader_runs(fp64_runs, storage, tmp_path_factory):
         "one_loaders_crash": ["--num-workers", "1", "--augment", "--loader-workers", "2", "--max-failures", "1",
                               "--inject-fault", f"0:1:{marker}"],
     }  # fmt: skip
-    return {**fp64_runs, **fp64_fits(storage, runs), "loader_marker": marker}
+    return {**fp64_runs, **fp64_fits(storage, fp64_runs["data"], runs), "loader_marker": marker}
 
 
-def fit_on_a_larger_ray(storage: str, name: str, *extra: str) -> dict:
+def fit_on_a_larger_ray(storage: str, data: str, name: str, *extra: str) -> dict:
     """An fp64 fit on its own local Ray of 6 logical CPUs, in a subprocess: 2 workers of 2 loader
     processes reserve 3 CPUs each, more than the session's Ray has."""
     import json
@@ -80,7 +88,7 @@ def fit_on_a_larger_ray(storage: str, name: str, *extra: str) -> dict:
         "ray.init(num_cpus=6, num_gpus=0, include_dashboard=False)\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    argv = ["ddp", "--no-use-gpu", "--storage-path", storage, "--name", name, *FP64_ARGS, *extra, "--json"]
+    argv = ["ddp", "--no-use-gpu", "--data", data, "--storage-path", storage, "--name", name, *FP64_ARGS, *extra, "--json"]
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
@@ -91,13 +99,13 @@ def test_world_size_invariance_fp64(fp64_runs):
     assert one["conv1.weight"].dtype == torch.float64
     assert max_abs_diff(one, two) < 1e-9
     assert fp64_runs["one"]["epochs"] == fp64_runs["two"]["epochs"] == 2
-    assert fp64_runs["two"]["world_size"] == 2 and fp64_runs["two"]["global_batch_size"] == 256
+    assert fp64_runs["two"]["world_size"] == 2 and fp64_runs["two"]["global_batch_size"] == 128
 
 
 def test_loader_processes_and_augmentation_keep_both_invariances(loader_runs, storage):
     one, two = load_model_pt(loader_runs["one_loaders"]), load_model_pt(loader_runs["two_loaders"])
     assert max_abs_diff(one, two) < 1e-9
-    two_by_two = fit_on_a_larger_ray(storage, "fp64-two-by-two", "--num-workers", "2", "--augment", "--loader-workers", "2")
+    two_by_two = fit_on_a_larger_ray(storage, loader_runs["data"], "fp64-two-by-two", "--num-workers", "2", "--augment", "--loader-workers", "2")
     assert two_by_two["world_size"] == 2 and max_abs_diff(one, load_model_pt(two_by_two)) < 1e-9
     assert max_abs_diff(one, load_model_pt(loader_runs["one"])) > 1e-3  # augmentation did change the batches
     assert loader_runs["loader_marker"].read_text() == "rank 0 crashed after epoch 1\n"
@@ -137,11 +145,12 @@ def step_runs(fp64_runs, storage, tmp_path_factory):
 
     marker, marker_fail = (tmp_path_factory.mktemp("fault") / "crashed" for _ in range(2))
     every = ["--checkpoint-every-steps", "2"]
-    runs = fp64_fits(storage, {"step_crash": ["--num-workers", "2", *every, "--max-failures", "1", "--inject-fault", f"1:s8:{marker}"]})
-    failed = run_cli_text("ddp", "--no-use-gpu", "--storage-path", storage, "--name", "fp64-step-crash-w1", *FP64_ARGS,
-                          "--num-workers", "2", *every, "--inject-fault", f"0:s8:{marker_fail}")  # fmt: skip
-    resumed = run_cli_text("ddp", "--no-use-gpu", "--storage-path", storage, "--name", "fp64-step-crash-w1", *FP64_ARGS,
-                           "--num-workers", "1", *every, "--json")  # fmt: skip
+    data = fp64_runs["data"]
+    runs = fp64_fits(storage, data, {"step_crash": ["--num-workers", "2", *every, "--max-failures", "1", "--inject-fault", f"1:s8:{marker}"]})
+    failed = run_cli_text("ddp", "--no-use-gpu", "--data", data, "--storage-path", storage, "--name", "fp64-step-crash-w1",
+                          *FP64_ARGS, "--num-workers", "2", *every, "--inject-fault", f"0:s8:{marker_fail}")  # fmt: skip
+    resumed = run_cli_text("ddp", "--no-use-gpu", "--data", data, "--storage-path", storage, "--name", "fp64-step-crash-w1",
+                           *FP64_ARGS, "--num-workers", "1", *every, "--json")  # fmt: skip
     return {**fp64_runs, **runs, "marker": marker, "marker_fail": marker_fail, "failed": failed, "resumed": resumed}
 
 
@@ -176,7 +185,7 @@ def test_model_pt_loads_strict_into_plain_model(fp64_runs):
     state = load_model_pt(fp64_runs["two"])
     assert not any(k.startswith("module.") for k in state)
     model.load_state_dict(state, strict=True)
-    assert fp64_runs["two"]["val_count"] == 359
+    assert fp64_runs["two"]["val_count"] == 160
 
 
 @pytest.fixture(scope="module")
@@ -245,11 +254,12 @@ def test_gpu_ddp_with_nccl_native_syncbn_and_fp16(digits_dir, storage):
 def test_gpu_fp64_run_equals_the_cpu_run(fp64_runs, storage):
     """The CUDA path (NCCL group, native SyncBatchNorm on one rank, cuDNN) computes the same
     training as the CPU path: compared in float64, where TF32 and summation order cannot hide a bug."""
-    gpu = run_cli_json("ddp", "--use-gpu", "--storage-path", storage, "--name", "fp64-gpu", *FP64_ARGS, "--num-workers", "1")
+    gpu = run_cli_json("ddp", "--use-gpu", "--data", fp64_runs["data"], "--storage-path", storage, "--name", "fp64-gpu", *FP64_ARGS,
+                       "--num-workers", "1")  # fmt: skip
     assert max_abs_diff(load_model_pt(gpu), load_model_pt(fp64_runs["one"])) < 1e-9
 
 
-def test_checkpoints_are_named_by_epoch_and_the_lr_is_the_last_steps(fp64_runs, digits_dir):
+def test_checkpoints_are_named_by_epoch_and_the_lr_is_the_last_steps(fp64_runs):
     from pathlib import Path
 
     from raytrain_mp.lr_schedule import make_schedule
@@ -257,18 +267,18 @@ def test_checkpoints_are_named_by_epoch_and_the_lr_is_the_last_steps(fp64_runs, 
     result = fp64_runs["two"]
     assert Path(result["checkpoint"]).name == "checkpoint_000002"  # as the pipeline names them
     assert sorted(p.name for p in Path(result["run"]).glob("checkpoint_*") if p.is_dir()) == ["checkpoint_000001", "checkpoint_000002"]
-    # 1438 training samples, global batch 256: 5 steps an epoch; the reported lr is the 10th step's, not 0.
-    schedule = make_schedule(0.1, 256, 256, "linear", 1.0, 2, 5, "cosine", 30, 0.1)
+    # 640 training samples, global batch 128: 5 steps an epoch; the reported lr is the 10th step's, not 0.
+    schedule = make_schedule(0.1, 128, 256, "linear", 1.0, 2, 5, "cosine", 30, 0.1)
     assert result["lr"] == pytest.approx(schedule(9), rel=1e-12) and result["lr"] > 0
 
 
-def test_rerun_of_a_finished_run_prints_its_summary_without_ray(fp64_runs, digits_dir, storage):
+def test_rerun_of_a_finished_run_prints_its_summary_without_ray(fp64_runs, storage):
     """As a user reruns it: a new process; nothing but the JSON line (no Ray started, no epoch)."""
     import json
     import subprocess
 
     done = subprocess.run(
-        ["raytrain-mp", "ddp", "--data", digits_dir, "--storage-path", storage, "--name", "fp64-two", "--no-use-gpu",
+        ["raytrain-mp", "ddp", "--data", fp64_runs["data"], "--storage-path", storage, "--name", "fp64-two", "--no-use-gpu",
          *FP64_ARGS, "--num-workers", "2", "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

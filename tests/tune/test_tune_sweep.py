@@ -11,7 +11,6 @@ trials are done, then the sweep is resumed from its folder. A one-trial sweep wh
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import os
@@ -22,7 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import assert_usage_error, run_cli, run_cli_json
+from helpers import assert_usage_error, run_cli, run_cli_json, write_digits_cut
 from raytrain_mp.cli import main
 from raytrain_mp.config import build_config
 from raytrain_mp.ddp.config import DDPConfig
@@ -36,17 +35,7 @@ BATCHES, LRS, EPOCHS = (64, 128), (0.05, 0.2, 0.8), 2
 @pytest.fixture(scope="module")
 def small_digits(tmp_path_factory) -> str:
     """Digits cut to 512 train / 200 val samples: an epoch is 8 or 4 steps."""
-    from raytrain_mp.data.prepare import write_dataset
-    from raytrain_mp.data.sources import RawSplit, load_digits_source
-
-    raw = load_digits_source()
-
-    def cut(split: RawSplit, n: int) -> RawSplit:
-        return RawSplit(split.images[:n], split.labels[:n], split.ids[:n])
-
-    out = tmp_path_factory.mktemp("digits") / "small"
-    write_dataset(dataclasses.replace(raw, train=cut(raw.train, 512), val=cut(raw.val, 200)), out)
-    return str(out)
+    return write_digits_cut(tmp_path_factory.mktemp("digits") / "small", 512, 200)
 
 
 def run_cli_result(*argv: str) -> tuple[int, dict]:
