@@ -61,7 +61,8 @@ def autocast_for(precision: str, device: torch.device):
 
 def maybe_inject_fault(spec: str | None, rank: int, at: str) -> None:
     """Testing hook: ``RANK:WHEN:MARKER`` crashes RANK once at WHEN, ``N`` after epoch N or ``sS``
-    after global step S (the marker file says it did)."""
+    after global step S (the marker file says it did). Every rank calls it at the same points: at
+    WHEN it is a collective (a barrier)."""
     if spec is None:
         return
     fault_rank, when, marker = spec.split(":", 2)
