@@ -501,13 +501,16 @@ def overhead_case(cfg: BenchPipelineConfig) -> dict[str, Any]:
     }
 
 
-def native_runs(cfg: BenchPipelineConfig, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def native_runs(
+    cfg: BenchPipelineConfig, cases: dict[str, dict[str, Any]], module: str = "raytrain_mp.bench.pipeline_native"
+) -> dict[str, Any]:
     """The ``cases`` (``resnet_case``, ``overhead_case``) of ``torch.distributed.pipelining`` in one
-    torchrun, one rank per stage; raises ``RuntimeError`` when torchrun fails. The figures of
-    each case by name, with what ran them (api, launcher, backend, device, world, threads)."""
+    torchrun, one rank per stage, each rank running ``module`` (``bench.pipeline_native``, or what
+    wraps its ``main``); raises ``RuntimeError`` when torchrun fails. The figures of each case by
+    name, with what ran them (api, launcher, backend, device, world, threads)."""
     what = f"torch.distributed.pipelining benchmark (torchrun, {cfg.stages} ranks)"
     settings = {"threads": cfg.cpus_per_stage, "use_gpu": cfg.use_gpu, "cases": cases}
-    native = torchrun("raytrain_mp.bench.pipeline_native", cfg.stages, settings, cfg.cpus_per_stage, what)
+    native = torchrun(module, cfg.stages, settings, cfg.cpus_per_stage, what)
     described = {
         "api": "torch.distributed.pipelining: PipelineStage + ScheduleGPipe / Schedule1F1B",
         "launcher": f"torchrun --standalone --nproc-per-node {cfg.stages}",

@@ -359,6 +359,51 @@ def test_rounds_pool_each_points_samples_and_keep_the_rounds_medians():
 
 
 @pytest.mark.slow
+def test_timeline_script_records_every_op_of_both_runtimes(tmp_path):
+    """scripts/pipeline_timeline.py (the README's per-op account of ours against torch on the seeds'
+    split): every recorded step holds each micro-batch's forward and backward once, one after the
+    other inside the step; the summary counts the steps after warm-up and its ratios are those of
+    the medians; the plot is written."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "pipeline_timeline.py"
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "RANK")}
+    rounds, steps, warmup, m = 1, 2, 1, 2
+    done = subprocess.run(
+        [sys.executable, str(script), "--model", "resnet18", "--image-size", "16", "--global-batch-size", "8", "--microbatches", str(m),
+         "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    recorded = [json.loads(line) for path in (tmp_path / "spans").glob("*.jsonl") for line in path.read_text().splitlines()]
+    # ours: one step a call, then queued (bench.pipeline.pipeline_run), each warm-up + steps; torch: warm-up + steps
+    per_rank = {"ours": rounds * 2 * (warmup + steps), "torch": rounds * (warmup + steps)}
+    for runtime, count in per_rank.items():
+        for schedule in ("gpipe", "1f1b"):
+            for rank in (0, 1):
+                mine = [r for r in recorded if (r["runtime"], r["schedule"], r["rank"]) == (runtime, schedule, rank)]
+                assert len(mine) == count
+                for step in mine:
+                    ops = sorted(step["ops"], key=lambda op: op[3])
+                    assert sorted((kind, chunk) for kind, _, chunk, _, _ in ops) == [("B", i) for i in range(m)] + [("F", i) for i in range(m)]
+                    assert {stage for _, stage, _, _, _ in ops} == {rank}
+                    assert 0 <= ops[0][3] and ops[-1][4] <= step["wall"]
+                    assert all(earlier[4] <= later[3] for earlier, later in zip(ops, ops[1:]))
+    timeline = json.loads((tmp_path / "timeline.json").read_text())
+    assert [(p["schedule"], p["microbatches"]) for p in timeline["points"]] == [("1f1b", m), ("gpipe", m)]
+    for point in timeline["points"]:
+        ranks = point["ranks"]
+        # a round's first warm-up steps of each runtime are left out (ours' queued steps follow warm ones)
+        assert {runtime: [r["steps"] for r in rs] for runtime, rs in ranks.items()} == {
+            runtime: [count - rounds * warmup] * 2 for runtime, count in per_rank.items()
+        }
+        for ratio, ours, torch_ in zip(point["torch_over_ours"], ranks["ours"], ranks["torch"], strict=True):
+            assert all(math.isclose(ratio[f], torch_[f] / ours[f]) for f in ("wall", "forward", "backward", "idle", "forward_op", "backward_op"))
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
 def test_step_split_script_times_both_loops_in_both_places():
     """scripts/pipeline_step_split.py (the README's account of the overhead gap): each loop timed
     once per round under torchrun and in Ray actors, and the ratios are those of the medians."""
