@@ -56,11 +56,13 @@ def fp64_runs(ray_session, fp64_data, storage, tmp_path_factory):
     return results
 
 
+def fp64_argv(data: str, storage: str, name: str, *extra: str, use_gpu: bool = False) -> list[str]:
+    """The ``raytrain-mp`` arguments of an fp64 DDP run on ``data``, named ``name`` under ``storage``."""
+    return ["ddp", "--use-gpu" if use_gpu else "--no-use-gpu", "--data", data, "--storage-path", storage, "--name", name, *FP64_ARGS, *extra]
+
+
 def fp64_fits(storage: str, data: str, runs: dict[str, list[str]]) -> dict:
-    return {
-        key: run_cli_json("ddp", "--no-use-gpu", "--data", data, "--storage-path", storage, "--name", f"fp64-{key}", *FP64_ARGS, *extra)
-        for key, extra in runs.items()
-    }
+    return {key: run_cli_json(*fp64_argv(data, storage, f"fp64-{key}", *extra)) for key, extra in runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +90,7 @@ def fit_on_a_larger_ray(storage: str, data: str, name: str, *extra: str) -> dict
         "ray.init(num_cpus=6, num_gpus=0, include_dashboard=False)\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    argv = ["ddp", "--no-use-gpu", "--data", data, "--storage-path", storage, "--name", name, *FP64_ARGS, *extra, "--json"]
+    argv = [*fp64_argv(data, storage, name, *extra), "--json"]
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
@@ -147,10 +149,8 @@ def step_runs(fp64_runs, storage, tmp_path_factory):
     every = ["--checkpoint-every-steps", "2"]
     data = fp64_runs["data"]
     runs = fp64_fits(storage, data, {"step_crash": ["--num-workers", "2", *every, "--max-failures", "1", "--inject-fault", f"1:s8:{marker}"]})
-    failed = run_cli_text("ddp", "--no-use-gpu", "--data", data, "--storage-path", storage, "--name", "fp64-step-crash-w1",
-                          *FP64_ARGS, "--num-workers", "2", *every, "--inject-fault", f"0:s8:{marker_fail}")  # fmt: skip
-    resumed = run_cli_text("ddp", "--no-use-gpu", "--data", data, "--storage-path", storage, "--name", "fp64-step-crash-w1",
-                           *FP64_ARGS, "--num-workers", "1", *every, "--json")  # fmt: skip
+    failed = run_cli_text(*fp64_argv(data, storage, "fp64-step-crash-w1", "--num-workers", "2", *every, "--inject-fault", f"0:s8:{marker_fail}"))
+    resumed = run_cli_text(*fp64_argv(data, storage, "fp64-step-crash-w1", "--num-workers", "1", *every, "--json"))
     return {**fp64_runs, **runs, "marker": marker, "marker_fail": marker_fail, "failed": failed, "resumed": resumed}
 
 
@@ -254,8 +254,7 @@ def test_gpu_ddp_with_nccl_native_syncbn_and_fp16(digits_dir, storage):
 def test_gpu_fp64_run_equals_the_cpu_run(fp64_runs, storage):
     """The CUDA path (NCCL group, native SyncBatchNorm on one rank, cuDNN) computes the same
     training as the CPU path: compared in float64, where TF32 and summation order cannot hide a bug."""
-    gpu = run_cli_json("ddp", "--use-gpu", "--data", fp64_runs["data"], "--storage-path", storage, "--name", "fp64-gpu", *FP64_ARGS,
-                       "--num-workers", "1")  # fmt: skip
+    gpu = run_cli_json(*fp64_argv(fp64_runs["data"], storage, "fp64-gpu", "--num-workers", "1", use_gpu=True))
     assert max_abs_diff(load_model_pt(gpu), load_model_pt(fp64_runs["one"])) < 1e-9
 
 
@@ -278,10 +277,8 @@ def test_rerun_of_a_finished_run_prints_its_summary_without_ray(fp64_runs, stora
     import subprocess
 
     done = subprocess.run(
-        ["raytrain-mp", "ddp", "--data", fp64_runs["data"], "--storage-path", storage, "--name", "fp64-two", "--no-use-gpu",
-         *FP64_ARGS, "--num-workers", "2", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        ["raytrain-mp", *fp64_argv(fp64_runs["data"], storage, "fp64-two", "--num-workers", "2", "--json")], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1 and json.loads(lines[0]) == json.loads(json.dumps(fp64_runs["two"]))
