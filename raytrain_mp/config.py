@@ -52,7 +52,7 @@ FIELD_GROUPS = {
     **dict.fromkeys(("epochs", "base_lr", "base_batch", "lr_rule", "warmup_epochs", "lr_decay", "step_epochs",
                      "gamma", "optimizer", "momentum", "weight_decay", "global_batch_size", "batch_size_per_worker",
                      "grad_accum_steps", "clip_grad_norm", "lr", "seed"), "optimization"),
-    **dict.fromkeys(("address", "num_workers", "resize_interval", "use_gpu", "cpus_per_worker", "placement", "stages", "replicas", "split_points",
+    **dict.fromkeys(("address", "num_workers", "resize_interval", "resize_timeout", "use_gpu", "cpus_per_worker", "placement", "stages", "replicas", "split_points",
                      "balance", "schedule", "virtual_stages", "microbatches", "steps_per_call", "cpus_per_stage", "bucket_cap_mb", "threads",
                      "balanced", "interleaved", "balance_microbatches", "balance_trials"), "distribution"),
     **dict.fromkeys(("storage_path", "name", "checkpoint_every", "checkpoint_every_steps", "num_to_keep", "max_failures", "resume_from",

@@ -23,6 +23,10 @@ class DDPConfig(TrainOptions):
         "shrink when a node is lost, grow when capacity returns; the model stays the one a fixed-size run trains)"
     )  # fmt: skip
     resize_interval: float = option(60.0, "elastic: seconds between Ray Train's checks for capacity to grow into")
+    resize_timeout: float = option(
+        10.0, "elastic: seconds a restart waits for the workers of the size it chose before it chooses again "
+        "(Ray Train's worker-group start timeout, 60 s by default; a size chosen from a stale view of the nodes never fits)"
+    )  # fmt: skip
     checkpoint_every_steps: int | None = option(
         None, "also checkpoint every this many optimizer steps, with the position in the epoch's sample order "
         "(a restart or resize then loses at most this many steps)"
@@ -42,6 +46,7 @@ class DDPConfig(TrainOptions):
         check_choice(self, "placement")
         low, high = parse_worker_range(self.num_workers)
         check(self.resize_interval > 0, "resize_interval", f"must be > 0 seconds, got {self.resize_interval}")
+        check(self.resize_timeout > 0, "resize_timeout", f"must be > 0 seconds, got {self.resize_timeout}")
         check(
             self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1,
             "checkpoint_every_steps",

@@ -4,12 +4,17 @@ Knows Ray Train's configuration objects and nothing of the model's internals. In
 set is resolved and validated, and the resource request checked against the cluster, before the
 trainer is built; NCCL is the backend exactly when workers hold GPUs, gloo otherwise. An elastic
 ``--num-workers MIN-MAX`` becomes Ray Train's elastic ``ScalingConfig``: the cluster must fit MIN
-workers now, and the GPU choice counts MIN ranks.
+workers now, and the GPU choice counts MIN ranks. Ray Train restarts an elastic group at the size
+its view of the nodes allows, and that view lags a lost node by up to 20 s: a size chosen from it
+never fits, and Ray Train waits its worker-group start timeout (60 s by default) before choosing
+again. An elastic run sets that timeout to ``--resize-timeout`` (``controller_env``), so a lost
+node costs seconds of waiting instead of a minute.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 
@@ -45,6 +50,16 @@ def with_cluster_settings(cfg: DDPConfig) -> DDPConfig:
     check_fits("--num-workers", cfg.min_workers, cfg.bundle_cpus, 1 if use_gpu else 0)
     name = cfg.name or time.strftime("ddp-%Y%m%d-%H%M%S")
     return dataclasses.replace(cfg, use_gpu=use_gpu, name=name, storage_path=absolute_path(cfg.storage_path))
+
+
+# Ray Train's controller reads it from the driver's environment (ray.train.v2's ENV_VARS_TO_PROPAGATE).
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+
+
+def controller_env(cfg: DDPConfig) -> dict[str, str]:
+    """What the driver's environment must hold when ``cfg`` is fitted: an elastic run's
+    ``--resize-timeout`` as Ray Train's worker-group start timeout; nothing for a fixed size."""
+    return {START_TIMEOUT_ENV: str(cfg.resize_timeout)} if cfg.elastic else {}
 
 
 def build_trainer(cfg: DDPConfig, callbacks: Sequence[UserCallback] = ()) -> TorchTrainer:
@@ -101,6 +116,7 @@ def run_ddp(cfg: DDPConfig) -> dict:
 
     ``cfg`` must have passed ``with_checked_data``."""
     cfg = with_cluster_settings(cfg)
+    os.environ.update(controller_env(cfg))
     summary = summarize(build_trainer(cfg).fit(), cfg)
     write_result(locate(cfg.storage_path, "--storage-path").child(cfg.name), summary)
     return summary

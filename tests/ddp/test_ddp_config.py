@@ -42,6 +42,7 @@ from helpers import assert_usage_error, run_cli
         (["--num-workers", "1-2", "--max-failures", "0"], ["--max-failures: an elastic run"]),
         (["--checkpoint-every-steps", "0"], ["--checkpoint-every-steps: must be >= 1, got 0"]),
         (["--resize-interval", "0"], ["--resize-interval: must be > 0 seconds, got 0.0"]),
+        (["--resize-timeout", "-1"], ["--resize-timeout: must be > 0 seconds, got -1.0"]),
     ],
 )
 def test_bad_options(tmp_path, capsys, argv, fragments):
@@ -49,6 +50,19 @@ def test_bad_options(tmp_path, capsys, argv, fragments):
     res = run_cli(capsys, "ddp", "--storage-path", str(runs), *argv)
     assert_usage_error(res, *fragments)
     assert not runs.exists()
+
+
+def test_an_elastic_run_hands_its_resize_timeout_to_ray_trains_controller():
+    """The start timeout reaches the controller only under a name Ray Train passes on from the driver."""
+    from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
+
+    from raytrain_mp.ddp.config import DDPConfig
+    from raytrain_mp.ddp.trainer import START_TIMEOUT_ENV, controller_env
+
+    assert START_TIMEOUT_ENV in ENV_VARS_TO_PROPAGATE
+    assert controller_env(DDPConfig(num_workers="1-2", max_failures=1)) == {START_TIMEOUT_ENV: "10.0"}
+    assert controller_env(DDPConfig(num_workers="2-4", max_failures=1, resize_timeout=2.5)) == {START_TIMEOUT_ENV: "2.5"}
+    assert controller_env(DDPConfig(num_workers=2)) == controller_env(DDPConfig(num_workers="3-3")) == {}
 
 
 def test_storage_path_not_writable(tmp_path, capsys):
