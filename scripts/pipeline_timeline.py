@@ -15,8 +15,9 @@ steps after each run's warm-up of the step's seconds (``wall``: ``schedule.step`
 the optimizer step in both), its forward and backward seconds, what is left (``idle``: waiting on a
 peer, and the runtime's own work), the seconds of one forward and one backward, and the ratios torch
 / ours of each; and ``timeline.png``: for each point, the median step of each runtime drawn rank by
-rank on one clock. Seconds on a shared machine drift between minutes; the rounds alternate so that
-the drift falls on both, and the ratios are what to read.
+rank on one clock; and under ``spans/`` the steps as the ranks recorded them (a JSON line a step).
+Seconds on a shared machine drift between minutes; the rounds alternate so that the drift falls on
+both, and the ratios are what to read.
 
 How: ``record_spans`` patches torch's ``PipelineStage.forward_one_chunk`` / ``backward_one_chunk``
 (/ ``backward_weight_one_chunk``) and the schedules' ``step`` in a process, and appends one JSON line
