@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import ray
@@ -29,6 +29,22 @@ from raytrain_mp.errors import UsageError
 # (logger, message start) of notices that say nothing a user must act on here: a locally started
 # Ray enables token authentication by itself and says so at WARNING on every start.
 HARMLESS_NOTICES = (("ray._private.authentication.authentication_token_setup", "Token authentication is enabled"),)
+
+
+@contextmanager
+def environment(updates: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``updates`` while the block runs, as it was afterwards: Ray hands the
+    driver's environment to the processes it starts then (Ray's own, or Ray Train's controller)."""
+    previous = {key: os.environ.get(key) for key in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @contextmanager
@@ -64,15 +80,8 @@ def ray_connection(address: str | None, verbose: bool = False) -> Iterator[bool]
         # API through RAY_API_SERVER_ADDRESS, which every Ray process inherits from this one; without
         # it, a second Ray on the machine makes the cleaner die with "Found multiple active Ray instances".
         port = free_port()
-        previous = os.environ.get("RAY_API_SERVER_ADDRESS")
-        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-        try:
+        with environment({"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}):
             ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_port=port, **logs)
-        finally:
-            if previous is None:
-                del os.environ["RAY_API_SERVER_ADDRESS"]
-            else:
-                os.environ["RAY_API_SERVER_ADDRESS"] = previous
         print(f"local Ray started; dashboard at http://127.0.0.1:{port}", flush=True)
     try:
         yield not address

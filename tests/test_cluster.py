@@ -93,3 +93,18 @@ def test_an_unreachable_ray_address_stops_pipeline_trainer():
     assert done.returncode == 1
     assert last.startswith("raytrain_mp.errors.UsageError: RAY_ADDRESS: no Ray cluster answers at ")
     assert f":{port} (Connection refused)" in last
+
+
+def test_environment_holds_its_updates_inside_and_restores_what_was_there(monkeypatch):
+    """What was set comes back, what was unset is unset again, also when the block raises."""
+    from raytrain_mp.cluster import environment
+
+    monkeypatch.setenv("RTMP_SET", "before")
+    monkeypatch.delenv("RTMP_UNSET", raising=False)
+    with pytest.raises(RuntimeError, match="inside"):
+        with environment({"RTMP_SET": "inside", "RTMP_UNSET": "inside"}):
+            assert (os.environ["RTMP_SET"], os.environ["RTMP_UNSET"]) == ("inside", "inside")
+            raise RuntimeError("inside")
+    assert os.environ["RTMP_SET"] == "before" and "RTMP_UNSET" not in os.environ
+    with environment({}):
+        assert os.environ["RTMP_SET"] == "before"

@@ -14,7 +14,6 @@ node costs seconds of waiting instead of a minute.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Sequence
 
@@ -24,7 +23,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raytrain_mp.checkpointing import MODEL_FILE, write_result
 from raytrain_mp.config import absolute_path
 from raytrain_mp.ddp.config import DDPConfig
-from raytrain_mp.cluster import check_fits, resolve_use_gpu, train_log_level
+from raytrain_mp.cluster import check_fits, environment, resolve_use_gpu, train_log_level
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
 from raytrain_mp.storage import check_reachable, join, locate, name_of
@@ -57,7 +56,7 @@ START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
 
 def controller_env(cfg: DDPConfig) -> dict[str, str]:
-    """What the driver's environment must hold when ``cfg`` is fitted: an elastic run's
+    """What the driver's environment holds while ``cfg`` is fitted: an elastic run's
     ``--resize-timeout`` as Ray Train's worker-group start timeout; nothing for a fixed size."""
     return {START_TIMEOUT_ENV: str(cfg.resize_timeout)} if cfg.elastic else {}
 
@@ -116,7 +115,7 @@ def run_ddp(cfg: DDPConfig) -> dict:
 
     ``cfg`` must have passed ``with_checked_data``."""
     cfg = with_cluster_settings(cfg)
-    os.environ.update(controller_env(cfg))
-    summary = summarize(build_trainer(cfg).fit(), cfg)
+    with environment(controller_env(cfg)):
+        summary = summarize(build_trainer(cfg).fit(), cfg)
     write_result(locate(cfg.storage_path, "--storage-path").child(cfg.name), summary)
     return summary
