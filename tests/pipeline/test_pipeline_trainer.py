@@ -115,6 +115,10 @@ def _receives_posted_ahead(trainer: PipelineTrainer) -> list[int]:
     return ray.get([trainer.actor(rank).receives_posted_ahead.remote() for rank in range(trainer.num_stages)])
 
 
+def _split_backwards(trainer: PipelineTrainer) -> list[int]:
+    return ray.get([trainer.actor(rank).split_backwards.remote() for rank in range(trainer.num_stages)])
+
+
 @dataclass
 class Pipeline:
     trainer: PipelineTrainer
@@ -170,7 +174,7 @@ class TestAgainstGradientAccumulation:
         trainer.load_state_dict(pipeline.initial_state)
         trainer.load_optimizer_state_dicts(pipeline.initial_optimizer_states)
         trainer.set_schedule(schedule, m)
-        posted_before = _receives_posted_ahead(trainer)
+        posted_before, split_before = _receives_posted_ahead(trainer), _split_backwards(trainer)
         batches = list(zip(_batches(pipeline.dtype, steps), LRS))
         if m == 5:  # the run loop's way: steps and their lrs 2 to a call (then 1), the second call queued
             losses = list(trainer.train_steps(((x, y, lr) for (x, y), lr in batches), ahead=1, steps_per_call=2))
@@ -192,6 +196,10 @@ class TestAgainstGradientAccumulation:
         }.get(schedule, [0 for _ in ranks])
         posted = [after - before for before, after in zip(posted_before, _receives_posted_ahead(trainer))]
         assert posted == [(steps - 1) * count for count in per_step]
+        # GPipe and 1F1B split the last backward of every rank but the first, every step.
+        split = [after - before for before, after in zip(split_before, _split_backwards(trainer))]
+        flat = schedule in ("gpipe", "1f1b")
+        assert split == [steps * (flat and rank > 0) for rank in ranks]
         # Each stage computed in a layout; the configured one, or under auto the one measured faster.
         layouts = trainer.memory_formats
         assert [len(rank) for rank in layouts] == [trainer.virtual_stages] * trainer.num_stages
