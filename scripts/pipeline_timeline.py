@@ -182,7 +182,7 @@ def plot(runs: dict[tuple, list[dict[str, Any]]], points: Sequence[dict[str, Any
         ax.set_yticks([rank["rank"] for rank in step], [f"rank {rank['rank']}" for rank in step])
         ax.invert_yaxis()
         ax.set_xlim(0, 1.01 * longest[schedule, m])
-        ax.set_title(f"{runtime}: {schedule} m={m}, its median step (blue forward, orange backward, | end)", fontsize=9)
+        ax.set_title(f"{runtime}: {schedule} m={m}, its median step (blue forward, orange backward, green weight gradients of a split backward, | end)", fontsize=9)
     axes[-1, 0].set_xlabel("seconds from the step's first start")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
