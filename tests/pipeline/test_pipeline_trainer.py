@@ -198,8 +198,7 @@ class TestAgainstGradientAccumulation:
         assert posted == [(steps - 1) * count for count in per_step]
         # GPipe and 1F1B split the last backward of every rank but the first, every step.
         split = [after - before for before, after in zip(split_before, _split_backwards(trainer))]
-        flat = schedule in ("gpipe", "1f1b")
-        assert split == [steps * (flat and rank > 0) for rank in ranks]
+        assert split == [steps * (schedule in SCHEDULES_OF[1] and rank > 0) for rank in ranks]
         # Each stage computed in a layout; the configured one, or under auto the one measured faster.
         layouts = trainer.memory_formats
         assert [len(rank) for rank in layouts] == [trainer.virtual_stages] * trainer.num_stages
