@@ -206,8 +206,8 @@ class _Autocast(nn.Module):
 
 class _TimedStage(PipelineStage):
     """``PipelineStage`` that adds the seconds its forwards and backwards compute to ``busy`` (those
-    of its forwards also to ``forward_busy``) and can take a step's receives posted ahead of it
-    (``post_receives``)."""
+    of its forwards also to ``forward_busy``), can take a step's receives posted ahead of it
+    (``post_receives``), and can split its last backward (``split_last_backward``)."""
 
     busy = 0.0
     forward_busy = 0.0
