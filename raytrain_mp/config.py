@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import yaml
 
 from raytrain_mp.errors import UsageError
-from raytrain_mp.models import MODEL_NAMES
+from raytrain_mp.models import MODEL_HELP, check_model_syntax
 from raytrain_mp.optim import OPTIMIZERS
 
 C = TypeVar("C")
@@ -299,8 +299,8 @@ class TrainOptions:
     """Options every training command shares: data, model, optimization, checkpoints, resume."""
 
     data: str | None = option(None, "prepared data set folder or URI; default: built-in digits")
-    model: str = option("resnet18", "model architecture", MODEL_NAMES)
-    small_stem: bool | None = option(None, "3x3 stride-1 stem without max-pool (default: on below 64 px)")
+    model: str = option("resnet18", f"model: {MODEL_HELP}")
+    small_stem: bool | None = option(None, "ResNets: 3x3 stride-1 stem without max-pool (default: on below 64 px)")
     weights: str | None = option(None, "state dict to start from (a model.pt)")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
     epochs: int = option(6, "training epochs")
@@ -334,7 +334,8 @@ class TrainOptions:
     FAULTS_AT_STEPS = False  # --inject-fault takes only epochs; a command whose loop can fail after a step says so
 
     def validate(self) -> None:
-        for name in ("model", "lr_rule", "lr_decay", "optimizer", "precision"):
+        check_model_syntax(self.model)  # the name itself: models.check_model, once the data is known
+        for name in ("lr_rule", "lr_decay", "optimizer", "precision"):
             check_choice(self, name)
         check(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
         check(self.base_lr > 0, "base_lr", f"must be > 0, got {self.base_lr}")

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from raytrain_mp.config import check, check_choice, check_local, check_writable, option
-from raytrain_mp.models import MODEL_NAMES
+from raytrain_mp.models import MODEL_HELP, RESNET_NAMES, check_model_syntax
 from raytrain_mp.pipeline.layouts import MEMORY_FORMATS
 from raytrain_mp.pipeline.schedule import SCHEDULES
 
@@ -18,8 +18,9 @@ SEEDS_SPLIT = ("layer3",)
 
 
 def check_shared(cfg: Any) -> None:
-    """The checks of the options both benchmarks have: model, output folder, input, timing."""
-    check_choice(cfg, "model")
+    """The checks of the options both benchmarks have: model (its name: whether it builds and
+    takes the images is ``models.check_model``'s, before anything runs), output folder, input, timing."""
+    check_model_syntax(cfg.model)
     check(bool(cfg.out), "out", "an output folder is required")
     check_local("out", cfg.out, "a local folder (results.json and PNG plots are written there atomically)")
     check_writable("out", cfg.out)
@@ -32,9 +33,9 @@ def check_shared(cfg: Any) -> None:
 @dataclasses.dataclass
 class BenchDDPConfig:
     out: str = option("", "folder for results.json and the plot")
-    model: str = option("resnet18", "model architecture", MODEL_NAMES)
+    model: str = option("resnet18", f"model: {MODEL_HELP}")
     image_size: int = option(32, "side of the random square input images in pixels")
-    small_stem: bool | None = option(None, "3x3 stride-1 stem without max-pool (default: on below 64 px, as raytrain-mp ddp)")
+    small_stem: bool | None = option(None, "ResNets: 3x3 stride-1 stem without max-pool (default: on below 64 px, as raytrain-mp ddp)")
     batch_size_per_worker: int = option(32, "samples per worker per step", aliases=("batch_size",))
     num_classes: int = option(10, "classes of the random labels")
     num_workers: tuple[int, ...] = option((1, 2), "worker counts to measure (DDP ranks)", aliases=("workers",))
@@ -70,7 +71,8 @@ class BenchDDPConfig:
 @dataclasses.dataclass
 class BenchPipelineConfig:
     out: str = option("", "folder for results.json and the plots")
-    model: str = option("resnet50", "model architecture", MODEL_NAMES)
+    # The seeds' split (layer3) and the native peer's stage modules are ResNet layers: ResNets only.
+    model: str = option("resnet50", "model: a torchvision ResNet (the seeds' split cuts before layer3)", RESNET_NAMES)
     image_size: int = option(128, "side of the random square input images in pixels")
     global_batch_size: int = option(64, "samples per training step", aliases=("batch_size",))
     num_classes: int = option(1000, "classes of the random labels (the seeds' ResNet-50 has 1000)")
@@ -128,6 +130,7 @@ class BenchPipelineConfig:
 
     def validate(self) -> None:
         check_shared(self)
+        check_choice(self, "model")
         check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")
         check(self.stages >= 2, "stages", f"a pipeline needs at least 2 stages, got {self.stages}")
         check_choice(self, "memory_format")

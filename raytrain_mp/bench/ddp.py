@@ -56,7 +56,7 @@ from raytrain_mp.bench.common import (
 )
 from raytrain_mp.bench.config import BenchDDPConfig
 from raytrain_mp.ddp.distributed_eval import all_reduce_sum
-from raytrain_mp.models import build_model, wants_small_stem
+from raytrain_mp.models import build_model, check_model
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
@@ -79,8 +79,7 @@ def measure_steps(
     torch.set_num_threads(settings["cpus_per_worker"])  # Ray and torchrun set OMP_NUM_THREADS; torch's pool is ours
     size, batch = settings["image_size"], settings["batch_size_per_worker"]
     torch.manual_seed(settings["seed"])
-    small_stem = wants_small_stem(size) if settings["small_stem"] is None else settings["small_stem"]
-    model: nn.Module = build_model(settings["model"], settings["num_classes"], 3, small_stem)
+    model: nn.Module = build_model(settings["model"], settings["num_classes"], 3, settings["small_stem"], image_size=size)
     distributed = dist.is_available() and dist.is_initialized()
     if settings["sync_bn"] and world > 1:
         model = convert_sync_batchnorm(model, device=device)
@@ -237,6 +236,7 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
 
     from raytrain_mp.cluster import cluster_totals, ray_connection
 
+    check_model(cfg.model, cfg.num_classes, 3, cfg.image_size, cfg.small_stem)  # before any process starts
     cfg = dataclasses.replace(cfg, use_gpu=bench_use_gpu(cfg.use_gpu, max(cfg.num_workers)))
     if cfg.use_gpu and not torch.cuda.is_available():
         raise UsageError("--use-gpu: this machine has no CUDA GPU, and the references and the torchrun side run here; accepted: --no-use-gpu")

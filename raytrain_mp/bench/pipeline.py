@@ -105,7 +105,7 @@ from raytrain_mp.bench.common import (
 )
 from raytrain_mp.bench.config import BenchPipelineConfig
 from raytrain_mp.errors import UsageError
-from raytrain_mp.models import build_model, wants_small_stem
+from raytrain_mp.models import build_model
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import (
     PipelineTrainer,
@@ -189,7 +189,7 @@ def seeded_setup(model_name: str, num_classes: int, image_size: int, batch_size:
     """The model and random batch (inputs, labels) every variant starts from; the native ranks
     call it with the same arguments, so they get the same weights and batch."""
     torch.manual_seed(seed)
-    model = build_model(model_name, num_classes, small_stem=wants_small_stem(image_size))
+    model = build_model(model_name, num_classes, small_stem=None, image_size=image_size)  # the small stem below 64 px
     x = torch.randn(batch_size, 3, image_size, image_size)
     y = torch.randint(num_classes, (batch_size,))
     return model, x, y

@@ -46,7 +46,7 @@ from raytrain_mp.ddp.elastic import items_to_skip, resume_position
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate
 from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.storage import join, locate, name_of
-from raytrain_mp.models import build_model, wants_small_stem
+from raytrain_mp.models import build_model
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 
@@ -126,8 +126,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     # Model: same seeded init on every rank; DDP broadcasts rank 0's parameters anyway.
     torch.manual_seed(cfg.seed)
-    small_stem = wants_small_stem(meta.image_size) if cfg.small_stem is None else cfg.small_stem
-    model = build_model(cfg.model, meta.num_classes, meta.channels, small_stem, cfg.weights).to(dtype)
+    model = build_model(cfg.model, meta.num_classes, meta.channels, cfg.small_stem, cfg.weights, image_size=meta.image_size).to(dtype)
     if cfg.sync_bn and world > 1:
         model = convert_sync_batchnorm(model, device=device)
     model.to(device)

@@ -26,15 +26,18 @@ from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.cluster import check_fits, environment, resolve_use_gpu, train_log_level
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
+from raytrain_mp.models import check_model
 from raytrain_mp.storage import check_reachable, join, locate, name_of
 from raytrain_mp.ddp.loop import train_loop_per_worker
 
 
 def with_checked_data(cfg: DDPConfig) -> DDPConfig:
-    """``cfg`` with its data set resolved (the built-in default prepared) and every shard checked.
+    """``cfg`` with its data set resolved (the built-in default prepared), every shard checked, and
+    the model built and probed on the data's image shape (``models.check_model``).
 
-    Needs no Ray, so a bad data set is reported before any cluster resource is requested."""
-    data, _ = checked_dataset(cfg.data, cfg.global_batch_size, "--global-batch-size")
+    Needs no Ray, so a bad data set or model is reported before any cluster resource is requested."""
+    data, meta = checked_dataset(cfg.data, cfg.global_batch_size, "--global-batch-size")
+    check_model(cfg.model, meta.num_classes, meta.channels, meta.image_size, cfg.small_stem, cfg.weights)
     check_reachable(locate(cfg.storage_path, "--storage-path"), "--storage-path")
     return dataclasses.replace(
         cfg, data=absolute_path(data), weights=absolute_path(cfg.weights), resume_from=absolute_path(cfg.resume_from)

@@ -1,7 +1,8 @@
 """Flatten a model into an ordered list of named blocks, and build a stage from a run of blocks.
 
-Job: know model internals (torchvision ResNets and plain ``nn.Sequential``; more through
-``_FLATTENERS``) so that partitioning and the Ray stage code never have to.
+Job: know model internals (torchvision ResNets and plain ``nn.Sequential`` here, through
+``_FLATTENERS``; any other model from its traced graph, ``traced``) so that partitioning and the
+Ray stage code never have to.
 
 A block is a place a stage boundary can fall before. A ResNet's residual blocks are cut at each
 convolution, so that time balance is not limited to whole residual blocks (ResNet-50's are 4-7%
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -39,8 +41,13 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from raytrain_mp.errors import UsageError
 
-Carry = Tensor | tuple[Tensor, Tensor]  # between the pieces of a residual block: (main path, identity)
+Carry = Tensor | tuple[Tensor, ...]  # between blocks: a residual block's (main path, identity), or ``Live``
 Runner = Callable[[Sequence[nn.Module], Carry], Carry]
+
+
+class Live(tuple):
+    """The values a traced block passes on (``traced``): tensors of any shapes whose first
+    dimension is the batch. Packed, each is flattened per sample and the rows joined."""
 
 
 def run_in_order(modules: Sequence[nn.Module], x: Carry) -> Carry:
@@ -52,7 +59,17 @@ def run_in_order(modules: Sequence[nn.Module], x: Carry) -> Carry:
 
 def pack(carry: Carry) -> Tensor:
     """The one tensor a stage sends: a (main path, identity) pair joined along the channels."""
+    if isinstance(carry, Live):
+        return torch.cat([t.reshape(len(t), -1) for t in carry], 1)
     return torch.cat(carry, 1) if isinstance(carry, tuple) else carry
+
+
+def resolve(root: nn.Module, path: str) -> nn.Module | Tensor:
+    """The module, parameter or buffer at ``path`` under ``root``."""
+    target: Any = root
+    for name in path.split("."):
+        target = getattr(target, name)
+    return target
 
 
 @dataclass(frozen=True)
@@ -85,7 +102,8 @@ def _resnet_head(modules: Sequence[nn.Module], x: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Block:
-    """One unit of the flattened model: the modules at ``paths``, run by ``run``."""
+    """One unit of the flattened model: the modules (or, traced, parameters and buffers) at
+    ``paths``, run by ``run``."""
 
     name: str
     paths: tuple[str, ...]
@@ -93,7 +111,7 @@ class Block:
 
     def forward_on(self, root: nn.Module, x: Carry) -> Carry:
         """Run this block with the modules found at its paths under ``root``."""
-        return self.run([root.get_submodule(path) for path in self.paths], x)
+        return self.run([resolve(root, path) for path in self.paths], x)
 
 
 def _residual_pieces(path: str, block: nn.Module) -> list[Block]:
@@ -140,30 +158,37 @@ _FLATTENERS: dict[type, Callable[[nn.Module], list[Block]]] = {
 }
 
 
-def flatten_model(model: nn.Module) -> list[Block]:
-    """The model's blocks in forward order (ResNet: stem, each residual block, head)."""
-    for model_type, flatten in _FLATTENERS.items():
-        if isinstance(model, model_type):
-            blocks = flatten(model)
-            _check_covers_state(model, blocks)
-            return blocks
-    known = ", ".join(t.__name__ for t in _FLATTENERS)
-    raise UsageError(f"model: cannot cut a {type(model).__name__} into pipeline blocks; supported: {known}")
+def flatten_model(model: nn.Module, sample: Tensor | None = None) -> list[Block]:
+    """The model's blocks in forward order (ResNet: stem, each residual block, head). A model no
+    flattener knows is cut from its traced graph, which needs ``sample``, a batch of inputs."""
+    flatten = next((f for model_type, f in _FLATTENERS.items() if isinstance(model, model_type)), None)
+    if flatten is not None:
+        blocks = flatten(model)
+    else:
+        from raytrain_mp.pipeline.traced import flatten_traced  # it builds on this module
+
+        blocks = flatten_traced(model, sample)
+    _check_covers_state(model, blocks)
+    return blocks
 
 
 def _check_covers_state(model: nn.Module, blocks: Sequence[Block]) -> None:
-    prefixes = tuple(f"{path}." for block in blocks for path in block.paths)
-    outside = [key for key in model.state_dict() if not key.startswith(prefixes)]
+    paths = {path for block in blocks for path in block.paths}
+    prefixes = tuple(f"{path}." for path in paths)
+    outside = [key for key in model.state_dict() if key not in paths and not key.startswith(prefixes)]
     if outside:
         raise UsageError(f"model: state outside every pipeline block: {', '.join(outside[:5])}")
 
 
 def block_parameter_counts(model: nn.Module, blocks: Sequence[Block]) -> list[int]:
     """Number of parameter elements each block owns."""
-    return [
-        sum(p.numel() for path in block.paths for p in model.get_submodule(path).parameters())
-        for block in blocks
-    ]
+    return [sum(_parameter_count(resolve(model, path)) for path in block.paths) for block in blocks]
+
+
+def _parameter_count(target: nn.Module | Tensor) -> int:
+    if isinstance(target, nn.Module):
+        return sum(p.numel() for p in target.parameters())
+    return target.numel() if isinstance(target, nn.Parameter) else 0
 
 
 class StageModule(nn.Module):
@@ -178,16 +203,28 @@ class StageModule(nn.Module):
         self.blocks = tuple(blocks)
         for block in self.blocks:
             for path in block.paths:
-                self._attach(path, model.get_submodule(path))
+                self._attach(model, path)
 
-    def _attach(self, path: str, module: nn.Module) -> None:
+    def _attach(self, model: nn.Module, path: str) -> None:
+        """Put what ``model`` has at ``path`` at the same path here: a module, or (traced blocks)
+        a parameter or buffer, which keeps its persistence."""
         *parents, leaf = path.split(".")
         owner: nn.Module = self
+        source = model
         for name in parents:
+            source = getattr(source, name)
+            if owner._modules.get(name) is source:
+                return  # the whole module is here already, and what it holds with it
             if name not in owner._modules:
                 owner.add_module(name, nn.Module())
             owner = owner._modules[name]
-        owner.add_module(leaf, module)
+        target = getattr(source, leaf)
+        if isinstance(target, nn.Module):
+            owner.add_module(leaf, target)
+        elif isinstance(target, nn.Parameter):
+            owner.register_parameter(leaf, target)
+        else:  # a buffer, or a constant the tracer stored on the model
+            owner.register_buffer(leaf, target, persistent=leaf in source._buffers and leaf not in source._non_persistent_buffers_set)
 
     def forward(self, x: Tensor) -> Tensor:
         carry: Carry = x

@@ -28,6 +28,7 @@ FLAG_OF_ARGUMENT = {
     "clip_grad_norm": "--clip-grad-norm",
     "balance": "--balance",
     "schedule": "--schedule",
+    "model": "--model",
 }
 
 

@@ -50,25 +50,31 @@ from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
 from raytrain_mp.storage import Location, check_reachable, delete_folder, is_complete, latest_complete, locate, publish_folder
 from raytrain_mp.lr_schedule import make_schedule
-from raytrain_mp.models import build_model, wants_small_stem
+from raytrain_mp.models import build_model, check_model
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
 from raytrain_mp.pipeline.blocks import flatten_model
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
 from raytrain_mp.pipeline.replicas import replica_and_stage
+from raytrain_mp.pipeline.schedule import FLAT_SCHEDULES, bubble_for_stage_times
 
 CHECKPOINT_PREFIX = "checkpoint_"
 def build_run_model(cfg: PipelineConfig, meta) -> nn.Module:
-    small_stem = wants_small_stem(meta.image_size) if cfg.small_stem is None else cfg.small_stem
+    """The run's model for the data set ``meta`` describes, in the run's dtype (``models`` adapts
+    it to the data: channels, small stem, image size)."""
     dtype = torch.float64 if cfg.precision == "fp64" else torch.float32
-    return build_model(cfg.model, meta.num_classes, meta.channels, small_stem, cfg.weights).to(dtype)
+    return build_model(cfg.model, meta.num_classes, meta.channels, cfg.small_stem, cfg.weights, image_size=meta.image_size).to(dtype)
 
 
 def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
     """``cfg`` with data resolved and checked, the stage cut checked against the model's blocks,
     and the run's name and storage folder fixed: everything that needs no Ray."""
     data, meta = checked_dataset(cfg.data, cfg.global_batch_size, "--global-batch-size")
-    names = [block.name for block in flatten_model(build_run_model(cfg, meta))]
+    check_model(cfg.model, meta.num_classes, meta.channels, meta.image_size, cfg.small_stem, cfg.weights)
+    model = build_run_model(cfg, meta)
+    # A model cut from its traced graph learns there which shapes cross each cut.
+    example = torch.zeros(2, meta.channels, meta.image_size, meta.image_size, dtype=next(model.parameters()).dtype)
     try:
+        names = [block.name for block in flatten_model(model, example)]
         check_stage_count(len(names), cfg.stages * cfg.virtual_stages)
         if cfg.split_points:
             split_bounds(names, cfg.split_points, cfg.stages * cfg.virtual_stages)
@@ -282,6 +288,25 @@ def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch
     )  # fmt: skip
 
 
+def stage_time_metrics(stats: dict, cfg: PipelineConfig) -> dict:
+    """Each rank's computing seconds per step (the first replica's), and for the flat schedules the
+    bubble those stage times alone would leave (``schedule.bubble_for_stage_times``): the measured
+    bubble minus it is what transfers and calls cost, the rest is the cut's imbalance."""
+    steps = max(stats["steps"], 1)
+    busy, forward = (stats[key][: cfg.stages] for key in ("busy_seconds", "forward_busy_seconds"))
+    metrics = {"stage_seconds_per_step": [seconds / steps for seconds in busy]}
+    if cfg.schedule in FLAT_SCHEDULES and cfg.virtual_stages == 1 and stats["steps"]:
+        forward_part = forward if cfg.schedule == "gpipe" else None  # GPipe's phases count apart
+        metrics["bubble_for_stage_times"] = bubble_for_stage_times(busy, cfg.microbatches, forward_part)
+    return metrics
+
+
+def describe_stage_times(metrics: dict) -> str:
+    seconds = "/".join(f"{s:.3f}" for s in metrics["stage_seconds_per_step"])
+    predicted = metrics.get("bubble_for_stage_times")
+    return f" (stage times {seconds} s/step" + (f", which predict bubble {predicted:.3f})" if predicted is not None else ")")
+
+
 def train_epochs(cfg, trainer, train, val, schedule, steps_per_epoch, start_epoch, run: Location) -> dict:
     """Epochs of training; ``train`` and ``val`` are each (the data, what makes a model input of a batch)."""
     metrics: dict = {}
@@ -303,6 +328,7 @@ def train_epochs(cfg, trainer, train, val, schedule, steps_per_epoch, start_epoc
             **evaluate(trainer, *val),
             "samples_per_second": steps_per_epoch * cfg.global_batch_size / elapsed,
             "bubble_fraction": stats["bubble_fraction"],
+            **stage_time_metrics(stats, cfg),
             "lr": schedule(epoch * steps_per_epoch + steps_per_epoch - 1),
         }
         if not math.isfinite(metrics["train_loss"]):
@@ -319,7 +345,7 @@ def train_epochs(cfg, trainer, train, val, schedule, steps_per_epoch, start_epoc
         print(
             f"epoch {epoch + 1}/{cfg.epochs} train_loss {metrics['train_loss']:.4f} val_loss {metrics['val_loss']:.4f} "
             f"val_accuracy {metrics['val_accuracy']:.4f} samples/s {metrics['samples_per_second']:.1f} "
-            f"bubble {metrics['bubble_fraction']:.3f} lr {metrics['lr']:.5f}",
+            f"bubble {metrics['bubble_fraction']:.3f}{describe_stage_times(metrics)} lr {metrics['lr']:.5f}",
             flush=True,
         )
         maybe_kill_stage(cfg.inject_fault, trainer, epoch + 1)
@@ -336,6 +362,8 @@ def train_epochs(cfg, trainer, train, val, schedule, steps_per_epoch, start_epoc
         "global_batch_size": cfg.global_batch_size,
         "samples_per_second": metrics.get("samples_per_second"),
         "bubble_fraction": metrics.get("bubble_fraction"),
+        "stage_seconds_per_step": metrics.get("stage_seconds_per_step"),
+        "bubble_for_stage_times": metrics.get("bubble_for_stage_times"),
         "checkpoint": checkpoint.uri if checkpoint else None,
         "model": checkpoint.child(MODEL_FILE).uri if checkpoint else None,
     }

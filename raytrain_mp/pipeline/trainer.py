@@ -256,6 +256,12 @@ class PipelineTrainer:
     ``use_gpu=None`` uses GPUs when the Ray cluster has one for each rank (NCCL between them; gloo
     between CPU ranks), else CPUs. A receive that waits longer than ``p2p_timeout_s`` fails the step.
 
+    Models: a torchvision ResNet and an ``nn.Sequential`` are cut by their own rules (``blocks``);
+    any other model is cut from its torch.fx graph at module boundaries (``traced``), which needs
+    ``sample_input`` whatever the balance, to learn the shapes that cross each cut. Dropout and
+    stochastic depth draw random numbers per stage, so a pipelined step equals gradient
+    accumulation only for models without them (dropout 0, stochastic depth 0).
+
     The model itself is left untouched: every rank works on a copy. When Ray is not initialized
     yet, joins ``RAY_ADDRESS`` if set (one error line if nothing answers there) and otherwise
     starts a new local Ray instance, whatever a stale ``ray start`` left behind. Stage indices count
@@ -294,7 +300,7 @@ class PipelineTrainer:
         balance_trials: int = 0,
     ) -> None:
         # Everything that can be checked without a cluster, first.
-        blocks = flatten_model(model)
+        blocks = flatten_model(model, sample_input)
         names = [block.name for block in blocks]
         if virtual_stages < 1:
             raise UsageError(f"virtual_stages: must be >= 1, got {virtual_stages}")

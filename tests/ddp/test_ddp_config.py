@@ -15,7 +15,7 @@ from helpers import assert_usage_error, run_cli
     [
         (["--global-batch-size", "63"], ["--global-batch-size: 63 is not divisible by --num-workers 2", "multiple of 2"]),
         (["--global-batch-size", "64", "--num-workers", "2", "--grad-accum-steps", "3"], ["x --grad-accum-steps 3", "multiple of 6"]),
-        (["--model", "vgg16"], ["--model", "invalid choice: 'vgg16'", "resnet18"]),
+        (["--model", "vgg 16"], ["--model: 'vgg 16' is neither a torchvision model name (e.g. resnet18) nor package.module:callable"]),
         (["--optimizer", "lamb"], ["--optimizer", "invalid choice: 'lamb'", "sgd", "adamw"]),
         (["--base-lr", "0"], ["--base-lr: must be > 0, got 0.0"]),
         (["--base-lr=-1e-3"], ["--base-lr: must be > 0, got -0.001"]),

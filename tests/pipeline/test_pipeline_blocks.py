@@ -105,10 +105,14 @@ def test_sequential_flattens_into_children_with_parameters() -> None:
     torch.testing.assert_close(StageModule(model, blocks).eval()(x), model.eval()(x))
 
 
-def test_unsupported_model() -> None:
-    with pytest.raises(UsageError) as info:
-        flatten_model(nn.Linear(2, 2))
-    assert str(info.value) == "model: cannot cut a Linear into pipeline blocks; supported: ResNet, Sequential"
+def test_a_model_no_flattener_knows_is_cut_from_its_graph() -> None:
+    # pipeline.traced; a lone Linear traces to one block that holds the root's own parameters.
+    model, x = nn.Linear(2, 3), torch.randn(4, 2)
+    (block,) = flatten_model(model, x)
+    assert (block.name, block.paths) == ("input", ("weight", "bias"))
+    stage = StageModule(model, [block])
+    assert list(stage.state_dict()) == ["weight", "bias"]
+    torch.testing.assert_close(stage(x), model(x))
 
 
 def test_state_outside_blocks_is_refused() -> None:
