@@ -244,7 +244,8 @@ def _import_callable(spec: str) -> Callable[..., Any]:
             raise UsageError(f"--model: module {module_name!r} has no attribute {attribute!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise UsageError(f"--model: {spec} is a {type(target).__name__}, not a callable")
+        kind = type(target).__name__
+        raise UsageError(f"--model: {spec} is not callable ({'an' if kind[0] in 'aeiou' else 'a'} {kind})")
     return target
 
 

@@ -20,6 +20,21 @@ def not_a_module(num_classes, in_channels, image_size):
     return "a string"
 
 NOT_CALLABLE = 3
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        if x.mean() > 0:  # control flow on a value: torch.fx cannot trace it
+            x = -x
+        return self.fc(x.flatten(1))
+
+
+def untraceable(num_classes, in_channels, image_size):
+    return DataDependent()
 '''
 
 
@@ -37,7 +52,7 @@ def workdir(tmp_path, monkeypatch):
         ("resnet181", ["--model: unknown model 'resnet181'; closest: resnet18, resnet101", "package.module:callable"]),
         ("nosuchmodule:net", ["--model: module 'nosuchmodule' does not import (ModuleNotFoundError: No module named 'nosuchmodule')"]),
         ("badmodels:absent", ["--model: module 'badmodels' has no attribute 'absent'"]),
-        ("badmodels:NOT_CALLABLE", ["--model: badmodels:NOT_CALLABLE is a int, not a callable"]),
+        ("badmodels:NOT_CALLABLE", ["--model: badmodels:NOT_CALLABLE is not callable (an int)"]),
         ("badmodels:fails", ["--model: badmodels:fails(num_classes=10, in_channels=1, image_size=8) raised ValueError: no GPU here"]),
         ("badmodels:not_a_module", ["returned builtins.str, not a torch.nn.Module"]),
         ("alexnet", ["--model: alexnet cannot take 8x8 images", "the smallest size that works", "is 64: prepare the data with --image-size 64"]),
@@ -60,6 +75,24 @@ def test_tune_and_bench_ddp_check_the_model_too(workdir, digits_dir, capsys):
     res = run_cli(capsys, "bench", "pipeline", "--out", str(workdir / "bench"), "--model", "mobilenet_v3_small")
     assert_usage_error(res, "--model", "invalid choice: 'mobilenet_v3_small'", "resnet50")
     assert not runs.exists() and not (workdir / "bench").exists()
+
+
+def test_pipeline_reports_a_model_it_cannot_cut_and_a_split_point_it_lacks(workdir, digits_dir, capsys):
+    runs = workdir / "runs"
+    base = ("pipeline", "--data", digits_dir, "--storage-path", str(runs))
+    res = run_cli(capsys, *base, "--model", "badmodels:fails")
+    assert_usage_error(res, "--model: badmodels:fails(num_classes=10, in_channels=1, image_size=8) raised ValueError: no GPU here")
+    res = run_cli(capsys, *base, "--model", "badmodels:untraceable")
+    assert_usage_error(
+        res,
+        "--model: the pipeline cannot trace DataDependent.forward with torch.fx (symbolically traced variables "
+        "cannot be used as inputs to control flow at ",
+        "badmodels.py:19); its own forward must be traceable (move the untraceable part into a submodule, which "
+        "then runs whole in one stage), or give an nn.Sequential",
+    )
+    res = run_cli(capsys, *base, "--model", "mobilenet_v3_small", "--split-points", "features.99")
+    assert_usage_error(res, "--split-points: 'features.99' names no block; blocks: features.0.0, features.0.1, ")
+    assert not runs.exists()
 
 
 def test_a_yaml_config_takes_the_same_string(workdir, digits_dir, capsys):

@@ -106,7 +106,7 @@ def test_a_user_callable_gets_the_data_and_its_model_is_used_as_it_is(user_modul
         ("broken:net", 32, "--model: module 'broken' does not import (ModuleNotFoundError: No module named 'no_such_package_xyz')"),
         ("nomodule:net", 32, "--model: module 'nomodule' does not import (ModuleNotFoundError: No module named 'nomodule')"),
         ("mymodels:absent", 32, "--model: module 'mymodels' has no attribute 'absent'"),
-        ("mymodels:NOT_CALLABLE", 32, "--model: mymodels:NOT_CALLABLE is a int, not a callable"),
+        ("mymodels:NOT_CALLABLE", 32, "--model: mymodels:NOT_CALLABLE is not callable (an int)"),
         ("mymodels:fails", 32, "--model: mymodels:fails(num_classes=10, in_channels=1, image_size=32) raised ValueError: no GPU here"),
         ("mymodels:not_a_module", 32,
          "--model: mymodels:not_a_module(num_classes=10, in_channels=1, image_size=32) returned builtins.list, not a torch.nn.Module"),

@@ -56,7 +56,7 @@ def raytrain_mp(cwd, address: str, *argv: str) -> dict:
     return json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
 
 
-def test_a_user_module_trains_with_ddp_and_tune_to_the_same_model(ray_session, tmp_path):
+def test_a_user_module_trains_with_ddp_tune_and_pipeline(ray_session, tmp_path):
     (tmp_path / "mymodels.py").write_text(MYMODELS)
     data = write_digits_cut(tmp_path / "digits", 640, 160)  # 5 steps of 128 an epoch
     address = ray_session.get_runtime_context().gcs_address
