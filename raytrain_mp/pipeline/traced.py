@@ -236,9 +236,11 @@ def flatten_traced(model: nn.Module, sample: Tensor | None) -> list[Block]:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
         raise UsageError(f"model: {kind}.forward takes {len(placeholders)} inputs; the pipeline feeds it one tensor")
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    if not isinstance(output.args[0], fx.Node):  # the loss takes one tensor of logits
+        raise UsageError(f"model: {kind}.forward returns a {type(output.args[0]).__name__}; the pipeline's last stage needs one tensor of logits")
     seen = _probe(model, graph, sample)
     body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    (output,) = [n for n in graph.nodes if n.op == "output"]
     cuts = cut_positions(model, placeholders[0], body, output, seen)
     bounds = [0, *cuts, len(body)]
     blocks, names = [], set()

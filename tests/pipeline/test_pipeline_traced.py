@@ -97,7 +97,7 @@ def test_every_cut_computes_the_model_and_its_gradients(name: str) -> None:
         first, second = StageModule(model, blocks[:cut]).eval(), StageModule(model, blocks[cut:]).eval()
         first, second = pickle.loads(pickle.dumps(first)), pickle.loads(pickle.dumps(second))  # as Ray ships them
         sent = first(x)
-        crossing_many += sent.dim() == 2 and cut < len(blocks) - 1 and sent.shape[1] > 16
+        crossing_many += len(blocks[cut].run.inputs) > 1
         received = sent.detach().requires_grad_()  # a stage's input: a leaf that needs a gradient
         got = second(received)
         assert torch.equal(got, want), f"cut before {names[cut]}"
@@ -189,6 +189,20 @@ def test_a_traced_model_needs_an_example_input() -> None:
     with pytest.raises(UsageError, match=r"^model: cutting a SkipNet from its traced graph needs an example input "
                                          r"\(PipelineTrainer's sample_input, a batch like the training batches\)$"):  # fmt: skip
         flatten_model(SkipNet())
+
+
+def test_a_forward_that_returns_more_than_logits_is_refused() -> None:
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.fc(x), x
+
+    with pytest.raises(UsageError) as info:
+        flatten_model(Pair(), torch.randn(3, 4))
+    assert str(info.value) == "model: Pair.forward returns a tuple; the pipeline's last stage needs one tensor of logits"
 
 
 def test_shared_state_is_never_cut_apart() -> None:
