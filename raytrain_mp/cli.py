@@ -18,6 +18,7 @@ from raytrain_mp.data.config import PrepareConfig
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.pipeline.config import PipelineConfig
 from raytrain_mp.errors import EXIT_USAGE, UsageError
+from raytrain_mp.inference.config import EvalConfig, ExportConfig, PredictConfig
 from raytrain_mp.tune.config import TuneConfig
 
 PROG = "raytrain-mp"
@@ -113,6 +114,36 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0 if result["best"] else 1  # every trial failed, or the sweep was interrupted (its "resume" says how to go on)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from raytrain_mp.inference.evaluation import run_eval, with_checked_inputs
+
+    cfg = with_checked_inputs(build_config(EvalConfig, args))
+    run_on_ray(cfg, run_eval, args.json, f"evaluation written to {cfg.out}")
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from raytrain_mp.inference.predict import print_predictions, run_predict, with_checked_inputs
+
+    cfg, inputs = with_checked_inputs(build_config(PredictConfig, args))
+    result = run_predict(cfg, inputs)
+    print_predictions(result, args.json)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from raytrain_mp.inference.export import ExportMismatch, run_export
+
+    cfg = build_config(ExportConfig, args)
+    try:
+        result = run_export(cfg)
+    except ExportMismatch as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    emit(result, args.json, f"{cfg.format} export written to {result['out']} (largest difference from the PyTorch model: {result['max_abs_difference']:.3g})")
+    return 0
+
+
 def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from raytrain_mp.bench.pipeline import run_bench_pipeline
 
@@ -161,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_command(sub, "ddp", "DistributedDataParallel training on Ray Train", DDPConfig, cmd_ddp)
     add_command(sub, "pipeline", "pipelined model-parallel training on Ray stage actors", PipelineConfig, cmd_pipeline)
     add_command(sub, "tune", "learning-rate sweep on Ray Tune, one DDP run per trial", TuneConfig, cmd_tune)
+    add_command(sub, "eval", "exact evaluation of a checkpoint on Ray Train workers: accuracy, loss, per class, confusion matrix", EvalConfig, cmd_eval)
+    predict = add_command(sub, "predict", "top-k classes of image files, preprocessed as the run's validation split", PredictConfig, cmd_predict, ("files",))
+    predict.add_argument("files", metavar="FILE_OR_FOLDER", nargs="+", help="image files (JPEG, PNG, any mode PIL reads) or folders of them")
+    add_command(sub, "export", "a checkpoint's model as ONNX, torch.export (.pt2) or TorchScript, checked before it is written", ExportConfig, cmd_export)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks: results.json and PNG plots")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=OneLineParser)

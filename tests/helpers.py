@@ -163,3 +163,12 @@ def write_digits_cut(out: Path, train: int, val: int) -> str:
 
     write_dataset(dataclasses.replace(raw, train=cut(raw.train, train), val=cut(raw.val, val)), out)
     return str(out)
+
+
+def tiny_run(root: Path, command: str, *argv: str, train: int, val: int) -> dict:
+    """One real epoch of ``command`` (ddp or pipeline) at global batch 32 on a ``train``/``val``
+    cut of digits under ``root``: its ``--json`` result, with ``data`` and ``root``."""
+    data = write_digits_cut(root / "digits", train=train, val=val)
+    result = run_cli_json(command, "--data", data, "--epochs", "1", "--global-batch-size", "32", "--no-use-gpu",
+                          "--storage-path", str(root / "runs"), *argv)  # fmt: skip
+    return {**result, "data": data, "root": root}

@@ -58,7 +58,7 @@ def visible_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]
 
 
 def test_every_subcommand_is_listed():
-    assert sorted(subcommands()) == ["bench data", "bench ddp", "bench pipeline", "data prepare", "ddp", "pipeline", "tune"]
+    assert sorted(subcommands()) == ["bench data", "bench ddp", "bench pipeline", "data prepare", "ddp", "eval", "export", "pipeline", "predict", "tune"]
 
 
 @pytest.mark.parametrize("pattern, flag", CONCEPTS.items())
@@ -140,7 +140,8 @@ def test_help_groups_options_and_writes_defaults_as_typed():
 def test_help_imports_neither_torch_nor_ray():
     code = (
         "import sys, contextlib, io\nfrom raytrain_mp.cli import main\n"
-        "for argv in (['ddp', '--help'], ['pipeline', '--help'], ['tune', '--help'], ['bench', 'pipeline', '--help']):\n"
+        "for argv in (['ddp', '--help'], ['pipeline', '--help'], ['tune', '--help'], ['bench', 'pipeline', '--help'],"
+        " ['eval', '--help'], ['predict', '--help'], ['export', '--help']):\n"
         "    with contextlib.redirect_stdout(io.StringIO()):\n"
         "        try:\n            main(argv)\n        except SystemExit:\n            pass\n"
         "print(sorted(m for m in ('torch', 'torchvision', 'ray', 'pyarrow') if m in sys.modules))\n"

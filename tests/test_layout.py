@@ -19,7 +19,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "raytrain_mp"
 
 SHARED_MODULES = {"allocator", "checkpointing", "cluster", "config", "errors", "lr_schedule", "models", "niceness", "optim", "storage"}
-CAPABILITIES = {"ddp", "pipeline", "tune", "bench"}
+CAPABILITIES = {"ddp", "pipeline", "tune", "bench", "inference"}
 # What each unit may import besides itself. "shared" is the top-level shared modules.
 ALLOWED = {
     "shared": {"shared"},
@@ -28,6 +28,7 @@ ALLOWED = {
     "pipeline": {"shared", "data"},
     "tune": {"shared", "data", "ddp"},
     "bench": {"shared", "data", "ddp", "pipeline"},
+    "inference": {"shared", "data", "ddp", "tune"},
     "cli": {"shared", "data", *CAPABILITIES},
 }
 

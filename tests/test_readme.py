@@ -30,7 +30,7 @@ README = REPO / "README.md"
 GPU = "needs CUDA GPUs"
 CLOUD = "needs a cloud account or remote machines"
 NOT_HERE = {
-    "pip install -e '.[test]' && pytest": "this is .ci/run itself",
+    "pip install -e '.[test,export]' && pytest": "this is .ci/run itself",
     'pytest -m "not slow"': "the test suite itself, less its slow tests",
     "raytrain-mp pipeline --use-gpu --stages 4 --balance time --data data/cifar10": GPU,
     "scripts/gpu_check.sh": GPU + "; tests/test_gpu_readiness.py runs it here, where it skips every GPU step",

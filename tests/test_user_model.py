@@ -1,9 +1,10 @@
 """A user's own network (``--model mymodels:tiny_net``, a module in the working directory) trains
 end to end through the console script, with ``ddp`` on 2 workers, with ``tune`` on 1 and with
-``pipeline`` on 2 stages cut across its skip connection; ddp and tune give the same model: world-size invariance in float64 on a non-ResNet with BatchNorm (no dropout:
+``pipeline`` on 2 stages cut across its skip connection; ddp and tune give the same model, and
+``eval`` of the sweep's folder rebuilds its best trial's model through the same callable: world-size invariance in float64 on a non-ResNet with BatchNorm (no dropout:
 dropout draws per rank, README "Your model").
 
-Three runs in all. Each is a ``raytrain-mp`` subprocess run from the folder that holds
+Three runs and an evaluation in all. Each is a ``raytrain-mp`` subprocess run from the folder that holds
 ``mymodels.py`` (the console script does not put that folder on ``sys.path``; the tool does), joined
 to the session's Ray as a new job: Ray puts a job's working directory on its workers' ``sys.path``.
 """
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -75,6 +77,14 @@ def test_a_user_module_trains_with_ddp_tune_and_pipeline(ray_session, tmp_path):
     # The cut falls between body's convolution and its BatchNorm: the skipped h crosses it too.
     assert [stage["blocks"][0] for stage in pipeline["stages"]] == ["stem.0", "body.1"] and pipeline["val_count"] == 160
     (trial_model,) = sorted((tmp_path / "runs" / "tune").glob("train-*/checkpoint_*/model.pt"))[-1:]
+    # eval of the sweep's folder is its best trial's (here its only one's) newest checkpoint, the
+    # model rebuilt through the same callable: exactly that trial's last validation.
+    (row,) = pq.read_table(tune["table_parquet"]).to_pylist()
+    assert row["run"] == trial_model.parent.parent.name
+    evaluated = raytrain_mp(tmp_path, address, "eval", "--checkpoint", tune["experiment"], "--num-workers", "1",
+                            "--out", str(tmp_path / "eval"))  # fmt: skip
+    assert evaluated["checkpoint"] == str(trial_model.parent) and evaluated["count"] == 160
+    assert evaluated["accuracy"] == row["final_val_accuracy"]
 
     sys.path.insert(0, str(tmp_path))
     try:

@@ -44,6 +44,11 @@ TRIAL_DRIVER_CPUS = 1.0
 SWEEP_FILE = "sweep.yaml"
 
 
+def metric_mode(metric: str) -> str:
+    """Whether the best trial has the largest ``metric`` (accuracy) or the smallest (loss)."""
+    return "max" if metric == "val_accuracy" else "min"
+
+
 @dataclasses.dataclass
 class SweepOptions:
     """The options only a sweep has; ``TuneConfig`` adds the DDP options to these."""
@@ -73,7 +78,7 @@ class SweepOptions:
 
     @property
     def mode(self) -> str:
-        return "max" if self.metric == "val_accuracy" else "min"
+        return metric_mode(self.metric)
 
     @property
     def log_uniform(self) -> bool:

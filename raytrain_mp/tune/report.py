@@ -61,6 +61,7 @@ COLUMNS = pa.schema(
         ("epochs_run", pa.int64()),
         ("status", pa.string()),  # completed | stopped (by the scheduler) | error
         ("error", pa.string()),
+        ("run", pa.string()),  # the trial's Train run folder in the experiment, train-<trial id> (checkpoints)
     ]
 )
 
@@ -73,6 +74,7 @@ class TrialOutcome:
     params: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    run: str | None = None  # its Train run folder's name; None if it never reported
 
 
 def table_rows(outcomes: Sequence[TrialOutcome], template: DDPConfig) -> list[dict[str, Any]]:
@@ -101,6 +103,7 @@ def table_rows(outcomes: Sequence[TrialOutcome], template: DDPConfig) -> list[di
                 "epochs_run": run,
                 "status": status,
                 "error": outcome.error.strip().splitlines()[-1][:500] if outcome.error else None,
+                "run": outcome.run,
             }
         )
     return sorted(rows, key=lambda r: (r["global_batch_size"], r["optimizer"], r["warmup_epochs"], r["base_lr"], r["trial"]))

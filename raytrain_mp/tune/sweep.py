@@ -131,10 +131,15 @@ def release_orphaned_placement_groups() -> int:
     return released
 
 
+def run_name(trial_id: str) -> str:
+    """The folder of a trial's Train run in the experiment."""
+    return f"train-{trial_id}"
+
+
 def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> None:
     """The Tune trainable: fit the trial's DDP run, reporting every epoch to Tune."""
     trial_id = tune.get_context().get_trial_id()
-    cfg = trial_config(template, {k: params[k] for k in PER_TRIAL}, name=f"train-{trial_id}", storage_path=experiment)
+    cfg = trial_config(template, {k: params[k] for k in PER_TRIAL}, name=run_name(trial_id), storage_path=experiment)
     build_trainer(cfg, callbacks=[TuneReportCallback()]).fit()
 
 
@@ -214,9 +219,11 @@ def _outcome(result: Any) -> TrialOutcome:
     # when the trial starts, has it for every trial.
     with result.filesystem.open_input_stream(f"{result.path}/params.json") as f:
         params = json.loads(f.read())
+    trial_id = (result.metrics or {}).get("trial_id")  # Tune adds it to every report
     return TrialOutcome(
         trial=Path(result.path).name,
         params={k: params[k] for k in PER_TRIAL},
         history=history,
         error=str(result.error) if result.error else None,
+        run=run_name(trial_id) if trial_id else None,
     )

@@ -1,0 +1,193 @@
+"""``--checkpoint``: one complete checkpoint found from what the user names, and its model rebuilt.
+
+Accepted: a checkpoint folder (``model.pt``, ``config.yaml``, ``train_state.pt``, as ddp, pipeline
+and a sweep's trials write them), a run folder (``STORAGE/NAME`` or a sweep's ``train-<trial>``:
+its newest complete ``checkpoint_*`` by name, which is by time: ``checkpoint_000001`` <
+``checkpoint_000001_step_000010`` < ``checkpoint_000002``), a sweep's experiment folder (its best
+trial's run, by the sweep's ``--metric``, as ``best.yaml`` chose it), or a URI of any of these.
+
+Invariants:
+- The model is rebuilt from the run's own ``config.yaml`` (``model``, ``small_stem``,
+  ``precision``, ``data``) and the metadata of the data set it trained on (classes, channels,
+  image size, class names, mean/std), with ``models.build_model``, so the user names nothing else;
+  a ``package.module:callable`` model is rebuilt by calling it again. ``model.pt`` loads with
+  ``strict=True``.
+- A checkpoint is complete when its three files are there and, on an object store (no rename),
+  it is published: the pipeline's ``.complete`` marker, or listed in Ray Train's
+  ``checkpoint_manager_snapshot.json`` of its run (Ray records a ddp checkpoint only after its
+  upload). A run folder's torn checkpoints are skipped; a torn checkpoint named directly, or one
+  whose ``model.pt`` does not load into the rebuilt model, is one ``UsageError`` line.
+- Everything here runs before Ray starts and writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from typing import Any
+
+import yaml
+
+from raytrain_mp.checkpointing import CONFIG_FILE, MODEL_FILE, STATE_FILE
+from raytrain_mp.data.format import DatasetMeta, read_meta
+from raytrain_mp.errors import UsageError
+from raytrain_mp.storage import COMPLETE_MARKER, Location, locate
+from raytrain_mp.tune.config import SWEEP_FILE, metric_mode
+
+OPTION = "--checkpoint"
+CHECKPOINT_PREFIX = "checkpoint_"
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's registered checkpoints
+FILES = (MODEL_FILE, CONFIG_FILE, STATE_FILE)
+ACCEPTED = "accepted: a run folder or a checkpoint folder written by raytrain-mp ddp, pipeline or tune, or a URI of either"
+
+
+def _missing(folder: Location) -> list[str]:
+    return [name for name in FILES if not folder.child(name).is_file()]
+
+
+def _ray_registered(run: Location) -> set[str]:
+    """Names of the checkpoints Ray Train registered in ``run`` (empty when it kept no record)."""
+    snapshot = run.child(RAY_SNAPSHOT)
+    if not snapshot.is_file():
+        return set()
+    try:
+        data = json.loads(snapshot.read_bytes())
+        return {r["checkpoint_dir_name"] for r in data.get("checkpoint_results", [])}
+    except (ValueError, KeyError, TypeError):
+        return set()
+
+
+def is_published(folder: Location, registered: set[str]) -> bool:
+    """A complete checkpoint folder (see the module docstring)."""
+    if _missing(folder):
+        return False
+    return folder.is_local or folder.child(COMPLETE_MARKER).is_file() or folder.path.rstrip("/").rsplit("/", 1)[-1] in registered
+
+
+def resolve_checkpoint(spec: str) -> Location:
+    """The checkpoint folder ``spec`` names: itself, or a run folder's newest complete checkpoint."""
+    folder = locate(spec, OPTION)
+    if not folder.exists():
+        raise UsageError(f"{OPTION}: no such folder {spec}; {ACCEPTED}")
+    if folder.is_file():
+        raise UsageError(f"{OPTION}: {spec} is a file; {ACCEPTED} (the folder that holds model.pt)")
+    if any(folder.child(name).is_file() for name in FILES):  # a checkpoint folder itself
+        missing = _missing(folder)
+        if missing:
+            raise UsageError(f"{OPTION}: {spec} is a torn checkpoint (no {', '.join(missing)}); use another checkpoint of the run, or the run folder")
+        return folder
+    if folder.child(SWEEP_FILE).is_file():
+        folder, spec = _best_trial_run(folder, spec)
+    candidates = folder.folders(CHECKPOINT_PREFIX)
+    registered = _ray_registered(folder) if not folder.is_local else set()
+    complete = [c for c in candidates if is_published(c, registered)]
+    if complete:
+        return complete[-1]
+    if candidates:
+        raise UsageError(f"{OPTION}: {spec} holds {len(candidates)} checkpoint folder(s), none complete (torn: no {', '.join(_missing(candidates[-1])) or COMPLETE_MARKER})")
+    raise UsageError(f"{OPTION}: {spec} holds no checkpoint; {ACCEPTED}")
+
+
+def _best_trial_run(experiment: Location, spec: str) -> tuple[Location, str]:
+    """A sweep's experiment folder stands for its best trial's run (by the sweep's ``--metric``,
+    as its ``best.yaml`` was chosen): the run folder and how to name it in an error."""
+    import pyarrow.parquet as pq
+
+    from raytrain_mp.tune.report import TABLE_NAME, best_row
+
+    table = experiment.child(f"{TABLE_NAME}.parquet")
+    if not table.is_file():
+        raise UsageError(f"{OPTION}: {spec} is a sweep without results yet (no {TABLE_NAME}.parquet); finish it with raytrain-mp tune --resume {spec}")
+    options = yaml.safe_load(experiment.child(SWEEP_FILE).read_bytes().decode()) or {}
+    metric = options.get("metric", "val_accuracy")
+    best = best_row(pq.read_table(io.BytesIO(table.read_bytes())).to_pylist(), metric, metric_mode(metric))
+    if best is None or not best.get("run"):
+        raise UsageError(f"{OPTION}: {spec} is a sweep with no trial that reported {metric}; pass one of its train-<trial> run folders")
+    return experiment.child(best["run"]), f"{spec} (its best trial, {best['run']})"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedRun:
+    """What a checkpoint says about its model: where it is, the run's options, and the metadata of
+    the data set it trained on. Plain data: it ships to Ray workers, which rebuild the model."""
+
+    checkpoint: str  # the checkpoint folder, as a path or URI a user can paste back
+    options: dict[str, Any]  # the run's config.yaml
+    data: str  # the data set the run trained on
+    meta: DatasetMeta
+
+    @property
+    def precision(self) -> str:
+        return self.options.get("precision") or "fp32"
+
+    @property
+    def model_name(self) -> str:
+        return self.options["model"]
+
+    def dtype(self):
+        import torch
+
+        return torch.float64 if self.precision == "fp64" else torch.float32
+
+    def build(self, state: dict | None = None):
+        """The trained model in eval mode, on the CPU, in the run's dtype (``state``: its model.pt,
+        read from the checkpoint when not given)."""
+        from raytrain_mp.models import build_model
+
+        meta = self.meta
+        model = build_model(self.model_name, meta.num_classes, meta.channels, self.options.get("small_stem"), image_size=meta.image_size)
+        state = read_state(locate(self.checkpoint, OPTION)) if state is None else state
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            first = (str(exc).splitlines()[1:2] or [str(exc)])[0].strip()
+            raise UsageError(f"{OPTION}: {self.checkpoint}/{MODEL_FILE} does not fit the {self.model_name} its config.yaml names: {first}") from None
+        return model.to(self.dtype()).eval()
+
+
+def read_state(checkpoint: Location) -> dict:
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(checkpoint.child(MODEL_FILE).read_bytes()), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for a truncated or foreign file
+        raise UsageError(f"{OPTION}: {checkpoint.uri}/{MODEL_FILE} is torn or not a torch state dict ({type(exc).__name__})") from None
+
+
+def read_options(checkpoint: Location) -> dict[str, Any]:
+    try:
+        options = yaml.safe_load(checkpoint.child(CONFIG_FILE).read_bytes().decode())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{OPTION}: {checkpoint.uri}/{CONFIG_FILE} is not valid YAML ({type(exc).__name__})") from None
+    if not isinstance(options, dict) or not options.get("model"):
+        raise UsageError(f"{OPTION}: {checkpoint.uri}/{CONFIG_FILE} names no model; {ACCEPTED}")
+    return options
+
+
+def load_run(spec: str) -> tuple[TrainedRun, Any]:
+    """The resolved checkpoint's ``TrainedRun`` and its model (built and loaded, so a checkpoint
+    that does not load is reported here, before Ray starts)."""
+    from raytrain_mp.data.default import resolve_dataset
+
+    checkpoint = resolve_checkpoint(spec)
+    options = read_options(checkpoint)
+    data = resolve_dataset(options.get("data"))
+    try:
+        meta = read_meta(data)
+    except UsageError as exc:
+        raise UsageError(f"{OPTION}: the run at {checkpoint.uri} trained on {data}, which cannot be read: {exc}") from None
+    run = TrainedRun(checkpoint.uri, options, data, meta)
+    state = read_state(checkpoint)
+    return run, run.build(state)
+
+
+def check_data_fits(run: TrainedRun, meta: DatasetMeta, data: str) -> None:
+    """``--data``'s images and classes are those the model was trained on."""
+    h, w, c = meta.image_shape
+    th, tw, tc = run.meta.image_shape
+    if (meta.num_classes, meta.image_shape) != (run.meta.num_classes, run.meta.image_shape):
+        raise UsageError(
+            f"--data: {data} holds {c}x{h}x{w} images of {meta.num_classes} classes; the model at {run.checkpoint} "
+            f"takes {tc}x{th}x{tw} images of {run.meta.num_classes} classes"
+        )

@@ -1,0 +1,28 @@
+"""``raytrain-mp eval`` and ``export`` on a pipeline run's merged checkpoint: the model is rebuilt
+from the pipeline's own config.yaml, and eval meets the run's last validation exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import run_cli_json, tiny_run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(ray_session, tmp_path_factory) -> dict:
+    return tiny_run(tmp_path_factory.mktemp("after-pipeline"), "pipeline", "--stages", "2", "--name", "pipe", train=128, val=60)
+
+
+def test_eval_of_a_pipeline_checkpoint_meets_the_runs_validation(pipeline_run, tmp_path):
+    result = run_cli_json("eval", "--checkpoint", pipeline_run["run"], "--num-workers", "2", "--no-use-gpu", "--out", str(tmp_path / "e"))
+    assert result["checkpoint"] == pipeline_run["checkpoint"]
+    assert result["count"] == pipeline_run["val_count"] == 60
+    assert result["accuracy"] == pipeline_run["val_accuracy"]
+    assert abs(result["loss"] - pipeline_run["val_loss"]) <= 1e-6
+
+
+def test_export_of_a_pipeline_checkpoint(pipeline_run, tmp_path):
+    result = run_cli_json("export", "--checkpoint", pipeline_run["run"], "--format", "pt2", "--out", str(tmp_path / "m.pt2"))
+    assert result["max_abs_difference"] <= 1e-5 and (tmp_path / "m.pt2").is_file()
