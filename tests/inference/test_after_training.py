@@ -108,10 +108,24 @@ def test_export_refuses_an_unknown_format_and_a_missing_extra(run, tmp_path, cap
     assert not out.exists()
 
 
+@pytest.fixture(scope="module")
+def evaluated(run, tmp_path_factory):
+    """``evaluated(W)``: ``raytrain-mp eval`` of the run on W workers, once per W in the module
+    (a fit each): its result and output folder."""
+    done: dict[int, tuple[dict, object]] = {}
+
+    def evaluate(workers: int) -> tuple[dict, object]:
+        if workers not in done:
+            out = tmp_path_factory.mktemp(f"eval{workers}")
+            done[workers] = run_cli_json("eval", "--checkpoint", run["run"], "--num-workers", str(workers), "--no-use-gpu", "--out", str(out)), out
+        return done[workers]
+
+    return evaluate
+
+
 @pytest.mark.parametrize("workers", [1, 2])
-def test_eval_reports_exactly_the_runs_own_validation(run, tmp_path, workers):
-    out = tmp_path / "eval"
-    result = run_cli_json("eval", "--checkpoint", run["run"], "--num-workers", str(workers), "--no-use-gpu", "--out", str(out))
+def test_eval_reports_exactly_the_runs_own_validation(run, evaluated, workers):
+    result, out = evaluated(workers)
     assert result["count"] == run["val_count"] == 100
     assert result["accuracy"] == run["val_accuracy"]
     assert abs(result["loss"] - run["val_loss"]) <= 1e-6
@@ -127,7 +141,7 @@ def test_eval_reports_exactly_the_runs_own_validation(run, tmp_path, workers):
     assert (out / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_predict_gives_evals_classes_for_the_validation_images(run, tmp_path, capsys):
+def test_predict_gives_evals_classes_for_the_validation_images(run, evaluated, tmp_path):
     from PIL import Image
 
     from raytrain_mp.data import ParquetImageDataset
@@ -137,8 +151,7 @@ def test_predict_gives_evals_classes_for_the_validation_images(run, tmp_path, ca
     folder.mkdir()
     for i in range(12):
         Image.fromarray(val.raw_image(i)[:, :, 0], "L").save(folder / f"{i:03d}.png")
-    out = tmp_path / "eval"
-    run_cli_json("eval", "--checkpoint", run["run"], "--num-workers", "1", "--no-use-gpu", "--out", str(out))
+    _, out = evaluated(1)
     expected = [r["predicted_name"] for r in csv.DictReader((out / "predictions.csv").open())][:12]
     result = run_cli_json("predict", "--checkpoint", run["run"], str(folder), "--top-k", "3", "--csv", str(tmp_path / "p.csv"))
     assert [p["classes"][0] for p in result["predictions"]] == expected
