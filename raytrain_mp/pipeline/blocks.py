@@ -58,7 +58,8 @@ def run_in_order(modules: Sequence[nn.Module], x: Carry) -> Carry:
 
 
 def pack(carry: Carry) -> Tensor:
-    """The one tensor a stage sends: a (main path, identity) pair joined along the channels."""
+    """The one tensor a stage sends: a (main path, identity) pair joined along the channels, or
+    a traced block's ``Live`` values flattened per sample and joined (``traced`` splits them)."""
     if isinstance(carry, Live):
         return torch.cat([t.reshape(len(t), -1) for t in carry], 1)
     return torch.cat(carry, 1) if isinstance(carry, tuple) else carry
