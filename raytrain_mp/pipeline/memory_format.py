@@ -51,7 +51,10 @@ class _ToChannelsLast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.contiguous(memory_format=torch.channels_last)
+        y = x.contiguous(memory_format=torch.channels_last)
+        # Already channels-last (1x1 maps, one channel): ``contiguous`` hands back the input, and
+        # autograd forbids the stage's in-place ops (ReLU(inplace=True)) on a Function's input.
+        return y.clone() if y is x else y
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:

@@ -58,7 +58,7 @@ def _vit() -> nn.Module:
     )
 
 
-MODELS = {"mobilenet_v3_small": (_mobilenet, 64), "vit": (_vit, 32), "skipnet": (SkipNet, 16)}
+MODELS = {"mobilenet_v3_small": (_mobilenet, 32), "vit": (_vit, 32), "skipnet": (SkipNet, 16)}
 
 
 def _model(name: str) -> nn.Module:
