@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+import importlib.util
 import textwrap
 
 import pyarrow.parquet as pq
@@ -86,11 +86,11 @@ def test_a_user_module_trains_with_ddp_tune_and_pipeline(ray_session, tmp_path):
     assert evaluated["checkpoint"] == str(trial_model.parent) and evaluated["count"] == 160
     assert evaluated["accuracy"] == row["final_val_accuracy"]
 
-    sys.path.insert(0, str(tmp_path))
-    try:
-        from mymodels import tiny_net
-    finally:
-        sys.path.remove(str(tmp_path))
+    # This file's mymodels, by path: another test's mymodels may sit in sys.modules under that name.
+    spec = importlib.util.spec_from_file_location("user_mymodels", tmp_path / "mymodels.py")
+    mymodels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mymodels)
+    tiny_net = mymodels.tiny_net
     two = torch.load(ddp["model"], map_location="cpu", weights_only=True)
     one = torch.load(trial_model, map_location="cpu", weights_only=True)
     for model_pt in (ddp["model"], pipeline["model"]):
