@@ -23,10 +23,10 @@ import torchvision
 from torch import nn
 
 from raytrain_mp.errors import UsageError
-from raytrain_mp.pipeline import PipelineTrainer, convert_deferred_batchnorm, split_batch
+from raytrain_mp.pipeline import PipelineTrainer, convert_deferred_batchnorm
 from raytrain_mp.pipeline.blocks import StageModule, flatten_model
-from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm
 from raytrain_mp.pipeline.partition import split_bounds
+from test_pipeline_trainer import _accumulate, _assert_state_close  # the same reference step and comparison
 
 BATCH, M = 16, 4
 LRS = [0.05, 0.03, 0.02]
@@ -222,18 +222,6 @@ def test_shared_state_is_never_cut_apart() -> None:
 # -- on stage actors --------------------------------------------------------------------------
 
 
-def _accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
-    optimizer.zero_grad(set_to_none=True)
-    total = 0.0
-    for mb in split_batch(x, y, M):
-        loss = F.cross_entropy(model(mb.inputs), mb.targets) * mb.weight
-        loss.backward()
-        total += loss.item()
-    commit_deferred_batchnorm(model)
-    optimizer.step()
-    return total
-
-
 def _reference(model: nn.Module, batches: list) -> tuple[list[float], dict]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LRS[0], momentum=0.9)
     threads = torch.get_num_threads()
@@ -243,17 +231,10 @@ def _reference(model: nn.Module, batches: list) -> tuple[list[float], dict]:
         for (x, y), lr in zip(batches, LRS):
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            losses.append(_accumulate(model, optimizer, x, y))
+            losses.append(_accumulate(model, optimizer, x, y, M))
     finally:
         torch.set_num_threads(threads)
     return losses, model.state_dict()
-
-
-def _assert_state_close(got: dict, want: dict, rtol: float) -> None:
-    assert list(got) == list(want)
-    for key, value in want.items():
-        scale = value.double().abs().max().clamp(min=1.0)
-        assert (got[key].double() - value.double()).abs().max() <= rtol * scale, key
 
 
 def _train(trainer: PipelineTrainer, batches: list, lrs: list[float] = LRS) -> list[float]:
