@@ -35,6 +35,31 @@ MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
 CONFIG_FILE = "config.yaml"
 RESULT_FILE = "result.json"
+CHECKPOINT_PREFIX = "checkpoint_"
+
+
+def checkpoint_name(epoch: int, step: int = 0) -> str:
+    """A run's checkpoint folder name: ``checkpoint_000002`` at the end of epoch 2 (from 1), and
+    ``checkpoint_000002_step_000010`` after step 10 of epoch 2 (``--checkpoint-every-steps``)."""
+    return f"{CHECKPOINT_PREFIX}{epoch:06d}" + (f"_step_{step:06d}" if step else "")
+
+
+def checkpoint_order(name: str) -> tuple[int, float]:
+    """Sort key of ``checkpoint_name``s in the order they were written: a mid-epoch checkpoint of
+    epoch E before the one at its end (by name, ``checkpoint_000002`` sorts before
+    ``checkpoint_000002_step_000010``)."""
+    epoch, _, step = name.removeprefix(CHECKPOINT_PREFIX).partition("_step_")
+    return int(epoch), int(step) if step else float("inf")
+
+
+def resume_position(last_epoch: int, steps_done: int, steps_per_epoch: int) -> tuple[int, int]:
+    """``(epoch, step)`` to resume at, from a checkpoint written after ``steps_done`` steps of the
+    epoch after ``last_epoch`` (-1: none finished). A position past the end of the epoch (the data
+    set shrank since) starts the next epoch."""
+    epoch, step = last_epoch + 1, steps_done
+    if step >= steps_per_epoch:
+        return epoch + 1, 0
+    return epoch, step
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

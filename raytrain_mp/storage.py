@@ -24,8 +24,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -94,12 +96,12 @@ class Location:
         with self.fs.open_output_stream(self.path) as f:
             f.write(data)
 
-    def folders(self, prefix: str) -> list[Location]:
-        """The sub-folders whose names start with ``prefix``, by name."""
+    def folders(self, prefix: str, order: Callable[[str], Any] | None = None) -> list[Location]:
+        """The sub-folders whose names start with ``prefix``, by name (or by ``order`` of their names)."""
         if not self.exists():
             return []
         infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=False))
-        names = sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith(prefix))
+        names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith(prefix)), key=order)
         return [self.child(name) for name in names]
 
 
@@ -156,9 +158,9 @@ def is_complete(folder: Location) -> bool:
     return folder.child(COMPLETE_MARKER).is_file()
 
 
-def latest_complete(parent: Location, prefix: str) -> Location | None:
-    """The last (by name) complete sub-folder of ``parent`` starting with ``prefix``."""
-    complete = [folder for folder in parent.folders(prefix) if is_complete(folder)]
+def latest_complete(parent: Location, prefix: str, order: Callable[[str], Any] | None = None) -> Location | None:
+    """The last (by name, or by ``order`` of the names) complete sub-folder of ``parent`` starting with ``prefix``."""
+    complete = [folder for folder in parent.folders(prefix, order) if is_complete(folder)]
     return complete[-1] if complete else None
 
 

@@ -131,6 +131,66 @@ def make_image_folder(root: Path, seed: int = 0) -> Path:
     return root
 
 
+def png16_bytes(samples: np.ndarray) -> bytes:
+    """A 16-bit PNG file of uint16 ``samples``: (H, W) gray, (H, W, 2) gray+alpha, (H, W, 3) RGB or
+    (H, W, 4) RGBA, made by hand (PIL writes 16-bit gray PNGs only)."""
+    import struct
+    import zlib
+
+    samples = np.asarray(samples, dtype=np.uint16)
+    h, w = samples.shape[:2]
+    colour_type = {1: 0, 2: 4, 3: 2, 4: 6}[1 if samples.ndim == 2 else samples.shape[2]]
+    rows = samples.reshape(h, -1).astype(">u2")
+    raw = b"".join(b"\x00" + row.tobytes() for row in rows)  # filter type 0 on every row
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    header = struct.pack(">IIBBBBB", w, h, 16, colour_type, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+MIXED_MODES = ("rgb.jpg", "gray.jpg", "cmyk.jpg", "rgba.png", "palette.png", "gray16.png", "rgb16.png", "la.png", "bilevel.png")
+
+
+def mixed_mode_image_folder(root: Path, seed: int = 0) -> Path:
+    """2 classes of one file per mode of ``MIXED_MODES`` each, every file at its own size (14 to 40
+    px a side): RGB, gray (L) and CMYK JPEGs; RGBA, palette with transparency (P), 16-bit gray,
+    16-bit RGB, gray+alpha (LA) and 1-bit PNGs. The modes PIL opens them in are the names' modes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for c in range(2):
+        folder = root / f"class{c}"
+        folder.mkdir(parents=True)
+        for name in MIXED_MODES:
+            h, w = (int(v) for v in rng.integers(14, 41, size=2))
+            base = rng.uniform(30, 220, size=(3, 3, 3)) + 20 * c
+            rgb = np.clip(np.kron(base, np.ones((h // 3 + 1, w // 3 + 1, 1)))[:h, :w] + rng.normal(0, 8, (h, w, 3)), 0, 255)
+            image = Image.fromarray(rgb.astype(np.uint8))
+            path = folder / name
+            if name == "rgb.jpg":
+                image.save(path, quality=90)
+            elif name == "gray.jpg":
+                image.convert("L").save(path, quality=90)
+            elif name == "cmyk.jpg":
+                image.convert("CMYK").save(path, quality=90)
+            elif name == "rgba.png":
+                Image.fromarray(np.dstack([rgb.astype(np.uint8), rng.integers(0, 256, (h, w), dtype=np.uint8)])).save(path)
+            elif name == "palette.png":
+                palette = image.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+                palette.save(path, transparency=0)
+            elif name == "gray16.png":
+                Image.fromarray((rgb[..., 0] * 257).astype(np.uint16)).save(path)
+            elif name == "rgb16.png":
+                path.write_bytes(png16_bytes(np.minimum(rgb.astype(np.int64) * 257 + rng.integers(0, 257, (h, w, 3)), 65535)))
+            elif name == "la.png":
+                Image.fromarray(np.dstack([rgb[..., 1], rgb[..., 2]]).astype(np.uint8)).save(path)  # LA
+            else:
+                image.convert("1").save(path)
+    return root
+
+
 def kill_actor(actor: object, timeout_s: float = 60.0) -> None:
     """``ray.kill`` the actor and return once it is dead: ``ray.kill`` only asks, and a call sent
     right after it can still run on the live actor (a test that expects the next step to fail

@@ -1,12 +1,13 @@
 """Data layer: Parquet shards of labelled images, their metadata, and a torch Dataset over them.
 
-Part of the shared layer: every capability reads its data through this package. Modules:
-``format`` (schema and metadata), ``sources`` (digits, synthetic, CIFAR-10, image folders),
-``encoded`` (JPEG/PNG files: checked at prepare, decoded in the loader), ``prepare`` (sources to
-shards), ``dataset`` (the torch Dataset of uint8 samples), ``augment`` (the random draws, keyed by
-(seed, epoch, index)), ``transforms`` (the batch transforms on the training device), ``loader``
-(loader processes), ``default`` (the built-in data set), ``config`` (``PrepareConfig`` of
-``raytrain-mp data prepare``).
+Part of the shared layer: every capability reads its data through this package. Modules: ``format``
+(schema and metadata), ``sources`` (digits, synthetic, CIFAR-10, image folders), ``pixels`` (any
+image file's mode to uint8 L/RGB/RGBA, the one conversion every reader of files uses), ``encoded``
+(JPEG/PNG files: checked at prepare, decoded in the loader), ``prepare`` (sources to shards),
+``dataset`` (the torch Dataset of uint8 samples), ``augment`` (the random draws, keyed by (seed,
+epoch, index)), ``transforms`` (the batch transforms on the training device), ``loader`` (loader
+processes), ``default`` (the built-in data set), ``config`` (``PrepareConfig`` of ``raytrain-mp data
+prepare``).
 
 May import: ``raytrain_mp.config``, ``raytrain_mp.errors`` and ``raytrain_mp.storage``; no capability.
 """

@@ -2,7 +2,8 @@
 
 Invariants: everything is written into a temporary sibling folder of ``out`` and renamed into place
 only when every shard and ``metadata.json`` are complete, so a failure (bad input, full disk, Ctrl-C)
-never leaves a half-written ``out``. Statistics are computed in float64 over the train split.
+never leaves a half-written ``out``. Statistics are computed in float64 over the train split, of
+the stored pixels or, for encoded files, of the pixels the loader decodes (both made by ``data.pixels``).
 """
 
 from __future__ import annotations

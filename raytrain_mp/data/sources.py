@@ -8,6 +8,8 @@ function of its arguments. Bad inputs raise ``UsageError`` naming the path and t
 An encoded ImageFolder (``encoded_size`` set) holds each file's bytes instead (an object array of
 ``bytes``), every file decoded once to check it, and ``stats`` carries the train split's
 per-channel mean and std, merged from per-image moments (Chan et al.), since the pixels are not kept.
+Both kinds of ImageFolder make each file 8-bit RGB with ``data.pixels`` (whatever its mode: 16-bit,
+palette, CMYK, alpha, ...), so the statistics are of the very pixels that training sees.
 """
 
 from __future__ import annotations
@@ -164,17 +166,19 @@ def _image_folder(root: Path):
 def _read_imagefolder(root: Path, image_size: int | None) -> tuple[np.ndarray, np.ndarray, list[str]]:
     from PIL import Image, UnidentifiedImageError
 
+    from raytrain_mp.data.pixels import to_uint8_image
+
     folder = _image_folder(root)
     images = []
     first_shape = None
     for file, _ in folder.samples:
         try:
             with Image.open(file) as im:
-                im = im.convert("RGB")
+                im = to_uint8_image(im, 3)
                 if image_size is not None:
                     im = im.resize((image_size, image_size), Image.BILINEAR)
                 arr = np.asarray(im, dtype=np.uint8)
-        except (OSError, UnidentifiedImageError) as exc:
+        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
             raise UsageError(f"imagefolder: cannot read image {file} ({exc})") from exc
         if first_shape is None:
             first_shape = (arr.shape, file)

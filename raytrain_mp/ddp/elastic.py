@@ -62,13 +62,3 @@ def check_world_sizes(global_batch: int, accum: int, low: int, high: int, option
 def items_to_skip(step_in_epoch: int, global_batch: int, world: int) -> int:
     """How many items of its ``DistributedSampler`` list a rank skips to resume at ``step_in_epoch``."""
     return step_in_epoch * global_batch // world
-
-
-def resume_position(last_epoch: int, steps_done: int, steps_per_epoch: int) -> tuple[int, int]:
-    """``(epoch, step)`` to resume at, from a checkpoint written after ``steps_done`` steps of the
-    epoch after ``last_epoch`` (-1: none finished). A position past the end of the epoch (the data
-    set shrank since) starts the next epoch."""
-    epoch, step = last_epoch + 1, steps_done
-    if step >= steps_per_epoch:
-        return epoch + 1, 0
-    return epoch, step

@@ -36,13 +36,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from raytrain_mp.checkpointing import load_checkpoint, plain_state_dict, read_checkpoint, rng_states, set_rng_states, write_checkpoint
+from raytrain_mp.checkpointing import checkpoint_name, load_checkpoint, plain_state_dict, read_checkpoint, resume_position, rng_states, set_rng_states, write_checkpoint
 from raytrain_mp.config import to_yaml
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.data.loader import EpochKeys, make_loader
-from raytrain_mp.ddp.elastic import items_to_skip, resume_position
+from raytrain_mp.ddp.elastic import items_to_skip
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate
 from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.storage import join, locate, name_of
@@ -220,7 +220,7 @@ def train_loop_per_worker(config: dict) -> None:
                 ray.train.report(
                     {"global_step": global_step + 1, "world_size": world},
                     checkpoint=make_checkpoint(epoch - 1, step + 1, epoch_loss),
-                    checkpoint_dir_name=f"checkpoint_{epoch + 1:06d}_step_{step + 1:06d}",
+                    checkpoint_dir_name=checkpoint_name(epoch + 1, step + 1),
                     delete_local_checkpoint_after_upload=True,
                 )
             maybe_inject_fault(cfg.inject_fault, rank, f"s{global_step + 1}")
@@ -252,7 +252,7 @@ def train_loop_per_worker(config: dict) -> None:
         ray.train.report(
             metrics,
             checkpoint=make_checkpoint(epoch, 0, (0.0, 0.0)) if due else None,
-            checkpoint_dir_name=f"checkpoint_{epoch + 1:06d}",  # as the pipeline names them
+            checkpoint_dir_name=checkpoint_name(epoch + 1),  # as the pipeline names them
             delete_local_checkpoint_after_upload=True,
         )
         maybe_inject_fault(cfg.inject_fault, rank, str(epoch + 1))

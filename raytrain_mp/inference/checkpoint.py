@@ -2,8 +2,8 @@
 
 Accepted: a checkpoint folder (``model.pt``, ``config.yaml``, ``train_state.pt``, as ddp, pipeline
 and a sweep's trials write them), a run folder (``STORAGE/NAME`` or a sweep's ``train-<trial>``:
-its newest complete ``checkpoint_*`` by name, which is by time: ``checkpoint_000001`` <
-``checkpoint_000001_step_000010`` < ``checkpoint_000002``), a sweep's experiment folder (its best
+its newest complete ``checkpoint_*``, in the order ``checkpointing.checkpoint_order`` gives:
+``checkpoint_000001_step_000010`` < ``checkpoint_000001`` < ``checkpoint_000002``), a sweep's experiment folder (its best
 trial's run, by the sweep's ``--metric``, as ``best.yaml`` chose it), or a URI of any of these.
 
 Invariants:
@@ -29,14 +29,13 @@ from typing import Any
 
 import yaml
 
-from raytrain_mp.checkpointing import CONFIG_FILE, MODEL_FILE, STATE_FILE
+from raytrain_mp.checkpointing import CHECKPOINT_PREFIX, CONFIG_FILE, MODEL_FILE, STATE_FILE, checkpoint_order
 from raytrain_mp.data.format import DatasetMeta, read_meta
 from raytrain_mp.errors import UsageError
 from raytrain_mp.storage import COMPLETE_MARKER, Location, locate
 from raytrain_mp.tune.config import SWEEP_FILE, metric_mode
 
 OPTION = "--checkpoint"
-CHECKPOINT_PREFIX = "checkpoint_"
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's registered checkpoints
 FILES = (MODEL_FILE, CONFIG_FILE, STATE_FILE)
 ACCEPTED = "accepted: a run folder or a checkpoint folder written by raytrain-mp ddp, pipeline or tune, or a URI of either"
@@ -79,7 +78,7 @@ def resolve_checkpoint(spec: str) -> Location:
         return folder
     if folder.child(SWEEP_FILE).is_file():
         folder, spec = _best_trial_run(folder, spec)
-    candidates = folder.folders(CHECKPOINT_PREFIX)
+    candidates = folder.folders(CHECKPOINT_PREFIX, checkpoint_order)
     registered = _ray_registered(folder) if not folder.is_local else set()
     complete = [c for c in candidates if is_published(c, registered)]
     if complete:

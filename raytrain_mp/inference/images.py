@@ -6,8 +6,9 @@ evaluation does:
 
 - an encoded data set (``meta.encoded``: JPEG/PNG kept as files): ``data.encoded.val_view``, the
   loader's own Resize(S * 8/7) + CenterCrop(S) of the decoded RGB image; a file in another format
-  PIL reads is re-encoded losslessly as PNG first;
-- a raw data set: converted to the data set's mode (L for 1 channel, RGB for 3, RGBA for 4) and,
+  PIL reads is converted to 8-bit RGB (``data.pixels``) and re-encoded losslessly as PNG first;
+- a raw data set: converted to the data set's mode by ``data.pixels`` (as ``data prepare`` converts
+  every file, 16-bit ones included: L for 1 channel, RGB for 3, RGBA for 4) and,
   when its size differs, resized to the stored H x W with PIL's bilinear filter, as
   ``data prepare imagefolder:PATH --image-size S`` resized it.
 
@@ -25,10 +26,10 @@ import numpy as np
 import torch
 
 from raytrain_mp.data.format import DatasetMeta
+from raytrain_mp.data.pixels import CHANNEL_MODES, to_uint8_image
 from raytrain_mp.errors import UsageError
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
-MODES = {1: "L", 3: "RGB", 4: "RGBA"}
 OPTION = "FILE_OR_FOLDER"
 
 
@@ -75,12 +76,15 @@ def load_image(path: Path, meta: DatasetMeta) -> torch.Tensor:
             data = path.read_bytes()
         else:
             buffer = io.BytesIO()
-            image.convert("RGB").save(buffer, format="PNG")
+            to_uint8_image(image, 3).save(buffer, format="PNG")
             data = buffer.getvalue()
         return val_view(data, h)
-    if c not in MODES:
+    if c not in CHANNEL_MODES:
         raise UsageError(f"{OPTION}: the model takes {c}-channel images, which no image file mode holds")
-    image = image.convert(MODES[c])
+    try:
+        image = to_uint8_image(image, c)
+    except ValueError as exc:
+        raise UsageError(f"{OPTION}: {path}: {exc}") from None
     if image.size != (w, h):
         image = image.resize((w, h), Image.BILINEAR)
     pixels = np.asarray(image, dtype=np.uint8).reshape(h, w, c)

@@ -5,6 +5,7 @@ Pure pieces (no Ray): ``blocks`` (model -> named blocks), ``partition`` (blocks 
 (data x pipeline: rank layout, batch shares, replica placement, BatchNorm merge weights), ``handoff``
 (a batch to a stage actor, zero-copy), ``layouts`` (memory-format names), ``memory_format`` (a
 stage's layout: channels-last or contiguous inside, contiguous at its edges). Ray pieces:
+``feed`` (a replica's batches read on its first and last stage: ``StageData``),
 ``stage`` (one rank's actor body, running torch.distributed.pipelining's schedules), ``replica_sync`` (what a
 stage's replicas all-reduce after each step), ``trainer`` (``PipelineTrainer``, the driver) and ``run`` (the
 ``raytrain-mp pipeline`` training run over epochs); ``config`` holds its ``PipelineConfig``.
@@ -28,6 +29,7 @@ _EXPORTS = {
     **dict.fromkeys(("SCHEDULES", "build_schedule", "check_schedule", "clock_ticks", "gpipe", "ideal_bubble",
                      "one_f_one_b"), "schedule"),
     **dict.fromkeys(("PLACEMENT_STRATEGIES", "PipelineTrainer", "StageFailedError"), "trainer"),
+    "StageData": "feed",
 }
 
 __all__ = sorted(_EXPORTS)

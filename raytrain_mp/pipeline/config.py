@@ -34,7 +34,8 @@ FLAG_OF_ARGUMENT = {
 
 def as_flag_error(exc: UsageError) -> UsageError:
     """The same one-line error with the Python argument it starts with renamed to its flag."""
-    return UsageError(re.sub(r"^(\w+):", lambda m: FLAG_OF_ARGUMENT.get(m.group(1), m.group(1)) + ":", str(exc)))
+    text = re.sub(r"^(\w+):", lambda m: FLAG_OF_ARGUMENT.get(m.group(1), m.group(1)) + ":", str(exc))
+    return UsageError(text.replace("(data.loader_workers)", "(--loader-workers)"))
 
 
 BALANCES = ("time", "params", "none")
@@ -69,6 +70,16 @@ class PipelineConfig(TrainOptions):
         "channels_last (NHWC) or contiguous; tensors between stages are contiguous either way", MEMORY_FORMATS,
     )
     clip_grad_norm: float | None = option(None, "clip the global gradient norm across all stages")
+    loader_workers: int = option(
+        0, "loader processes of each replica's first stage that read and decode its share of every batch on its node "
+        "(0: read in the stage actor); its Ray bundle reserves a CPU for each"
+    )  # fmt: skip
+    loader_prefetch: int = option(2, "batches each loader process keeps ready")
+    checkpoint_every_steps: int | None = option(
+        None, "also checkpoint every this many optimizer steps, with the position in the epoch's sample order "
+        "(a restart then loses at most this many steps)"
+    )  # fmt: skip
+    FAULTS_AT_STEPS = True  # --inject-fault also takes sSTEP: after a global step
 
     def validate(self) -> None:
         super().validate()
@@ -108,6 +119,10 @@ class PipelineConfig(TrainOptions):
             f"{'--split-points' if self.split_points is not None else '--balance ' + self.balance}",
         )
         check(self.steps_per_call >= 1, "steps_per_call", f"must be >= 1, got {self.steps_per_call}")
+        check(self.loader_workers >= 0, "loader_workers", f"must be >= 0, got {self.loader_workers}")
+        check(self.loader_prefetch >= 1, "loader_prefetch", f"must be >= 1, got {self.loader_prefetch}")
+        every = self.checkpoint_every_steps
+        check(every is None or every >= 1, "checkpoint_every_steps", f"must be >= 1, got {every}")
         check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", f"must be > 0, got {self.clip_grad_norm}")
         if self.split_points is not None:
             parts = self.stages * self.virtual_stages

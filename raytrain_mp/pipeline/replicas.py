@@ -20,7 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from torch import Tensor
 
@@ -65,23 +65,29 @@ def stage_ranks(stage: int, num_replicas: int, num_stages: int) -> list[int]:
 
 
 def replica_nodes(
-    nodes: Mapping[str, Mapping[str, float]], num_replicas: int, num_stages: int, bundle: Mapping[str, float]
+    nodes: Mapping[str, Mapping[str, float]], num_replicas: int, bundles: Sequence[Mapping[str, float]]
 ) -> list[str | None]:
-    """A node id per replica that can hold all its ``num_stages`` bundles, the replicas spread over
+    """A node id per replica that can hold all its stages' ``bundles``, the replicas spread over
     as many nodes as can hold one (``nodes``: id -> total resources); None where none is left."""
-    room = {node: min(int(have.get(key, 0) // amount) for key, amount in bundle.items() if amount) for node, have in nodes.items()}
+    need = replica_resources(bundles)
+    room = {node: min(int(have.get(key, 0) // amount) for key, amount in need.items() if amount) for node, have in nodes.items()}
     placed = dict.fromkeys(nodes, 0)
     chosen: list[str | None] = []
     for _ in range(num_replicas):
-        fits = [node for node in nodes if room[node] >= num_stages]
+        fits = [node for node in nodes if room[node] >= 1]
         if not fits:
             chosen.append(None)
             continue
         node = min(fits, key=lambda n: (placed[n], -room[n]))
-        room[node] -= num_stages
+        room[node] -= 1
         placed[node] += 1
         chosen.append(node)
     return chosen
+
+
+def replica_resources(bundles: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """What one replica's stage ``bundles`` need together."""
+    return {key: sum(bundle.get(key, 0) for bundle in bundles) for key in dict.fromkeys(k for b in bundles for k in b)}
 
 
 def running_stats_weights(

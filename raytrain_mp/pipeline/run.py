@@ -3,14 +3,21 @@
 Reads top to bottom like the DDP loop, but on the driver: data, model, restore, then epochs of
 (train with a per-step learning rate, evaluate, checkpoint). Each call to the stage actors runs
 ``--steps-per-call`` steps, carrying their learning rates, and the next call is queued behind it
-(``PipelineTrainer.train_steps``), so the driver reads the next batches while the stages compute.
+(``PipelineTrainer.train_data_steps``). The driver reads no data: each replica's first stage reads
+its share of every batch with its own loader processes and its last stage the labels (``feed``);
+the driver's calls carry step positions and learning rates.
 Invariants:
 
-- Sample order is a pure function of (seed, epoch): a seeded permutation, full batches only, so a
-  resumed run sees the same batches an uninterrupted one would.
+- Sample order is a pure function of (seed, epoch): a seeded permutation, full batches only
+  (``feed.epoch_batches``), so a resumed run sees the same batches an uninterrupted one would.
+- ``--checkpoint-every-steps K`` also checkpoints after every global step that K divides, with
+  the position in the epoch and the epoch's loss so far; a restart (a stage failure, a rerun of
+  the name, another ``--replicas``) continues with the next global step on the same samples, at
+  the learning rate of that global step, as DDP's does.
 - A checkpoint folder holds one merged ``model.pt`` (the plain model's state dict, loadable with
   ``strict=True``) and ``train_state.pt`` with each stage's optimizer state; it is written into a
-  local temporary folder and published as ``STORAGE/NAME/checkpoint_EEEEEE`` (``storage``: renamed
+  local temporary folder and published as ``STORAGE/NAME/checkpoint_EEEEEE`` (or
+  ``checkpoint_EEEEEE_step_SSSSSS`` within an epoch, ``checkpointing.checkpoint_name``; ``storage``: renamed
   locally, uploaded with a completion marker last on object stores), so it is never half there,
   and resuming only ever picks a complete one.
 - A stage failure (``StageFailedError``) with failures left rebuilds every stage actor of every
@@ -33,19 +40,28 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 
 import ray
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
-from raytrain_mp.checkpointing import MODEL_FILE, load_checkpoint, load_train_state, rng_states, set_rng_states, write_checkpoint, write_result
+from raytrain_mp.checkpointing import (
+    CHECKPOINT_PREFIX,
+    MODEL_FILE,
+    checkpoint_name,
+    checkpoint_order,
+    load_checkpoint,
+    load_train_state,
+    resume_position,
+    rng_states,
+    set_rng_states,
+    write_checkpoint,
+    write_result,
+)
 from raytrain_mp.config import absolute_path, to_yaml
 from raytrain_mp.pipeline.config import PipelineConfig, as_flag_error
-from raytrain_mp.data import ParquetImageDataset, read_meta
+from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
 from raytrain_mp.storage import Location, check_reachable, delete_folder, is_complete, latest_complete, locate, publish_folder
@@ -53,11 +69,12 @@ from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.models import build_model, check_model
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
 from raytrain_mp.pipeline.blocks import flatten_model
+from raytrain_mp.pipeline.feed import StageData
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
 from raytrain_mp.pipeline.replicas import replica_and_stage
 from raytrain_mp.pipeline.schedule import FLAT_SCHEDULES, bubble_for_stage_times
 
-CHECKPOINT_PREFIX = "checkpoint_"
+
 def build_run_model(cfg: PipelineConfig, meta) -> nn.Module:
     """The run's model for the data set ``meta`` describes, in the run's dtype (``models`` adapts
     it to the data: channels, small stem, image size)."""
@@ -92,7 +109,7 @@ def run_location(cfg: PipelineConfig) -> Location:
 
 def resume_point(cfg: PipelineConfig) -> Location | None:
     """The checkpoint a run continues from: its own newest complete one, else ``--resume-from``."""
-    own = latest_complete(run_location(cfg), CHECKPOINT_PREFIX)
+    own = latest_complete(run_location(cfg), CHECKPOINT_PREFIX, checkpoint_order)
     return own or (locate(cfg.resume_from, "--resume-from") if cfg.resume_from else None)
 
 
@@ -134,49 +151,58 @@ def local_parent(run: Location) -> str | None:
     return run.path
 
 
-def publish_checkpoint(folder: Path, run: Location, epoch: int, num_to_keep: int) -> Location:
-    """Publish a complete local checkpoint folder into the run, then drop the oldest beyond ``num_to_keep``."""
-    target = run.child(f"{CHECKPOINT_PREFIX}{epoch:06d}")
+def publish_checkpoint(folder: Path, run: Location, name: str, num_to_keep: int) -> Location:
+    """Publish a complete local checkpoint folder into the run as ``name``, then drop the oldest beyond ``num_to_keep``."""
+    target = run.child(name)
     publish_folder(folder, target)
-    for old in [f for f in run.folders(CHECKPOINT_PREFIX) if is_complete(f)][:-num_to_keep]:
+    for old in [f for f in run.folders(CHECKPOINT_PREFIX, checkpoint_order) if is_complete(f)][:-num_to_keep]:
         delete_folder(old)
     return target
 
 
-def epoch_batches(length: int, batch_size: int, seed: int, epoch: int) -> list[torch.Tensor]:
-    """The epoch's index batches: a seeded permutation cut into full batches."""
-    order = torch.randperm(length, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return list(order[: length // batch_size * batch_size].split(batch_size))
+def save_checkpoint(cfg: PipelineConfig, trainer: PipelineTrainer, run: Location, epoch: int, step: int, loss_sum: float) -> Location:
+    """Checkpoint after ``step`` steps of ``epoch`` (from 0), or after the whole epoch when ``step``
+    is 0; ``loss_sum`` is the sum of that epoch's step losses so far."""
+    train_state = {
+        "optimizer": trainer.optimizer_state_dicts(),
+        "epoch": epoch - 1 if step else epoch,  # the last finished epoch, as DDP's checkpoints say it
+        "step": step,
+        "epoch_loss": loss_sum,
+        "rng": rng_states(),
+        "split_points": cfg.split_points,
+    }
+    folder = write_checkpoint(trainer.state_dict(), train_state, to_yaml(cfg), parent=local_parent(run))
+    return publish_checkpoint(folder, run, checkpoint_name(epoch + 1, step), cfg.num_to_keep)
 
 
-def epoch_steps(train, batch_size: int, seed: int, epoch: int, lr_of_step) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
-    """The epoch's (inputs, targets, lr) steps; ``train_steps`` reads each while the step before it trains."""
-    train_ds, to_input = train
-    for step, indices in enumerate(epoch_batches(len(train_ds), batch_size, seed, epoch)):
-        images, y, params = train_ds.batch((epoch, int(i)) for i in indices)
-        yield to_input(images, params), y, lr_of_step(step)
+def step_segments(first: int, steps_per_epoch: int, epoch: int, every: int | None) -> list[range]:
+    """The epoch's steps from ``first`` on, cut after every global step that ``every`` divides
+    (``--checkpoint-every-steps``): a checkpoint follows each segment but the last."""
+    done = epoch * steps_per_epoch
+    cuts = [step for step in range(first + 1, steps_per_epoch) if every and (done + step) % every == 0]
+    bounds = [first, *cuts, steps_per_epoch]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def evaluate(trainer: PipelineTrainer, loader: DataLoader, to_input) -> dict[str, float]:
-    loss_sum = correct = count = 0.0
-    for images, y, params in loader:
-        logits = trainer.predict(to_input(images, params))
-        loss_sum += nn.functional.cross_entropy(logits.double(), y, reduction="sum").item()
-        correct += (logits.argmax(dim=1) == y).sum().item()
-        count += len(y)
-    return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_count": int(count)}
+def profile_batch(model: nn.Module, meta, batch_size: int) -> torch.Tensor:
+    """A batch of the data's shape to profile and trace on: standard normal values, as normalized
+    images have, drawn from a generator of its own (the run's random state stays as it was)."""
+    dtype = next(model.parameters()).dtype
+    shape = (batch_size, meta.channels, meta.image_size, meta.image_size)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
 
 
-def maybe_kill_stage(spec: str | None, trainer: PipelineTrainer, epoch: int) -> None:
-    """Testing hook: ``INDEX:EPOCH:MARKER`` kills stage actor INDEX (stage INDEX % --stages of
-    replica INDEX // --stages) once after EPOCH."""
+def maybe_kill_stage(spec: str | None, trainer: PipelineTrainer, at: str) -> None:
+    """Testing hook: ``INDEX:WHEN:MARKER`` kills stage actor INDEX (stage INDEX % --stages of
+    replica INDEX // --stages) once at WHEN: ``E`` after epoch E, ``sS`` after global step S."""
     if spec is None:
         return
-    index, fault_epoch, marker = spec.split(":", 2)
+    index, when, marker = spec.split(":", 2)
     replica, stage = replica_and_stage(int(index), trainer.num_stages)
-    if epoch == int(fault_epoch) and not Path(marker).exists():
+    if when == at and not Path(marker).exists():
         of = f" of replica {replica}" if trainer.num_replicas > 1 else ""
-        Path(marker).write_text(f"killed stage {stage}{of} after epoch {epoch}\n")
+        what = f"epoch {at}" if at.isdigit() else f"step {at[1:]}"
+        Path(marker).write_text(f"killed stage {stage}{of} after {what}\n")
         ray.kill(trainer.actor(stage, replica))
 
 
@@ -184,37 +210,34 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     """Train on the connected Ray cluster; returns the final summary. ``cfg`` must have passed
     ``with_checked_inputs``."""
     torch.manual_seed(cfg.seed)
-    dtype = torch.float64 if cfg.precision == "fp64" else torch.float32
     meta = read_meta(cfg.data)
     model = build_run_model(cfg, meta)
-    train_ds = ParquetImageDataset(cfg.data, "train", augment=cfg.augment, seed=cfg.seed, meta=meta)
-    val_ds = ParquetImageDataset(cfg.data, "val", meta=meta)
-    val_loader = DataLoader(val_ds, batch_size=cfg.global_batch_size)
-    to_input = partial(train_ds.transform, device=torch.device("cpu"), dtype=dtype)  # the driver feeds stage 0
-    to_val_input = partial(val_ds.transform, device=torch.device("cpu"), dtype=dtype)
-    steps_per_epoch = len(train_ds) // cfg.global_batch_size
+    data = StageData(cfg.data, cfg.global_batch_size, cfg.seed, cfg.augment, cfg.loader_workers, cfg.loader_prefetch)
+    steps_per_epoch = meta.counts["train"] // cfg.global_batch_size
     schedule = make_schedule(
         cfg.base_lr, cfg.global_batch_size, cfg.base_batch, cfg.lr_rule, cfg.warmup_epochs,
         cfg.epochs, steps_per_epoch, cfg.lr_decay, cfg.step_epochs, cfg.gamma,
     )  # fmt: skip
     run = run_location(cfg)
-    images, _, params = train_ds.batch(range(cfg.global_batch_size))
-    sample = to_input(images, params)  # what time balancing profiles
+    sample = profile_batch(model, meta, cfg.global_batch_size)  # what time balancing profiles
 
     failures = 0
     while True:
         # A rerun of the same name, or a restart after a stage failure, continues from the newest checkpoint.
         resume = resume_point(cfg)
-        start_epoch, optimizer_states = 0, None
+        position, carried, optimizer_states = (0, 0), 0.0, None
         if resume is not None:
             model_state, train_state = load_checkpoint(resume)
             model.load_state_dict(model_state, strict=True)
             optimizer_states = train_state["optimizer"]
             set_rng_states(train_state["rng"])
-            start_epoch = train_state["epoch"] + 1
-            print(f"resuming from {resume.uri} at epoch {start_epoch + 1}", flush=True)
+            position = resume_position(train_state["epoch"], train_state.get("step", 0), steps_per_epoch)
+            carried = train_state.get("epoch_loss", 0.0) if position[1] else 0.0
+            at = f" step {position[1] + 1}" if position[1] else ""
+            print(f"resuming from {resume.uri} at epoch {position[0] + 1}{at}", flush=True)
+        steps_done = position[0] * steps_per_epoch + position[1]
         try:
-            trainer = make_trainer(cfg, model, schedule(start_epoch * steps_per_epoch), sample)
+            trainer = make_trainer(cfg, model, schedule(steps_done), sample, data)
         except UsageError as exc:
             raise as_flag_error(exc) from None
         # Restarts keep this cut, also when they come before the first checkpoint; it is settled, so no more trials.
@@ -222,9 +245,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         try:
             if optimizer_states is not None:
                 trainer.load_optimizer_state_dicts(optimizer_states)
-            trainer.steps_done = start_epoch * steps_per_epoch
+            trainer.steps_done = steps_done
             print_placement(trainer)
-            summary = train_epochs(cfg, trainer, (train_ds, to_input), (val_loader, to_val_input), schedule, steps_per_epoch, start_epoch, run)
+            summary = train_epochs(cfg, trainer, schedule, position, carried, run)
             stages = [{**dataclasses.asdict(plan), "node_id": node} for plan, node in zip(trainer.plan, trainer.nodes)]
             places = [replica_and_stage(index, trainer.num_stages) for index in range(len(trainer.nodes))]
             actors = [{"replica": replica, "stage": stage, "node_id": node} for (replica, stage), node in zip(places, trainer.nodes)]
@@ -276,7 +299,7 @@ def describe_trial(trial: dict) -> str:
     )
 
 
-def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch.Tensor) -> PipelineTrainer:
+def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch.Tensor, data: StageData) -> PipelineTrainer:
     balance = None if cfg.split_points else (None if cfg.balance == "none" else cfg.balance)
     return PipelineTrainer(
         model, cfg.stages, split_points=cfg.split_points, balance=balance, schedule=cfg.schedule,
@@ -285,6 +308,7 @@ def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch
         clip_grad_norm=cfg.clip_grad_norm, autocast_bf16=cfg.precision == "bf16", memory_format=cfg.memory_format,
         placement_strategy=cfg.placement, cpus_per_stage=cfg.cpus_per_stage, sample_input=sample,
         virtual_stages=cfg.virtual_stages, num_replicas=cfg.replicas, balance_trials=cfg.balance_trials if balance == "time" else 0,
+        data=data,
     )  # fmt: skip
 
 
@@ -307,48 +331,50 @@ def describe_stage_times(metrics: dict) -> str:
     return f" (stage times {seconds} s/step" + (f", which predict bubble {predicted:.3f})" if predicted is not None else ")")
 
 
-def train_epochs(cfg, trainer, train, val, schedule, steps_per_epoch, start_epoch, run: Location) -> dict:
-    """Epochs of training; ``train`` and ``val`` are each (the data, what makes a model input of a batch)."""
+def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: float, run: Location) -> dict:
+    """Epochs of training from ``position`` (epoch, step), the epoch's step losses so far summing
+    to ``carried``; checkpoints after every ``--checkpoint-every-steps`` segment and epoch."""
     metrics: dict = {}
-    checkpoint = latest_complete(run, CHECKPOINT_PREFIX)
-    train_ds, to_input = train
+    checkpoint = latest_complete(run, CHECKPOINT_PREFIX, checkpoint_order)
+    steps_per_epoch = trainer.steps_per_epoch
+    start_epoch, start_step = position
     for epoch in range(start_epoch, cfg.epochs):
+        first = start_step if epoch == start_epoch else 0
+        loss_sum = carried if first else 0.0
         started = time.perf_counter()
-        loss_sum = 0.0
-        steps = epoch_steps(train, cfg.global_batch_size, cfg.seed, epoch, lambda step, epoch=epoch: schedule(epoch * steps_per_epoch + step))
-        for step, loss in enumerate(trainer.train_steps(steps, steps_per_call=cfg.steps_per_call)):
-            loss_sum += loss
-            if cfg.log_every and (step + 1) % cfg.log_every == 0:
-                print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} loss {loss_sum / (step + 1):.4f}", flush=True)
+        for segment in step_segments(first, steps_per_epoch, epoch, cfg.checkpoint_every_steps):
+            steps = ((epoch, step, schedule(epoch * steps_per_epoch + step)) for step in segment)
+            for step, loss in enumerate(trainer.train_data_steps(steps, steps_per_call=cfg.steps_per_call), start=segment.start):
+                loss_sum += loss
+                if cfg.log_every and (step + 1) % cfg.log_every == 0:
+                    print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} loss {loss_sum / (step + 1):.4f}", flush=True)
+                maybe_kill_stage(cfg.inject_fault, trainer, f"s{epoch * steps_per_epoch + step + 1}")
+            if segment.stop < steps_per_epoch:
+                checkpoint = save_checkpoint(cfg, trainer, run, epoch, segment.stop, loss_sum)
         elapsed = time.perf_counter() - started
         stats = trainer.stats()
         metrics = {
             "epoch": epoch + 1,
             "train_loss": loss_sum / steps_per_epoch,
-            **evaluate(trainer, *val),
-            "samples_per_second": steps_per_epoch * cfg.global_batch_size / elapsed,
+            **trainer.evaluate(),
+            "samples_per_second": (steps_per_epoch - first) * cfg.global_batch_size / elapsed,
             "bubble_fraction": stats["bubble_fraction"],
             **stage_time_metrics(stats, cfg),
             "lr": schedule(epoch * steps_per_epoch + steps_per_epoch - 1),
         }
         if not math.isfinite(metrics["train_loss"]):
             raise FloatingPointError(f"non-finite training loss at epoch {epoch + 1}; lower --base-lr")
-        if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
-            train_state = {
-                "optimizer": trainer.optimizer_state_dicts(),
-                "epoch": epoch,
-                "rng": rng_states(),
-                "split_points": cfg.split_points,
-            }
-            folder = write_checkpoint(trainer.state_dict(), train_state, to_yaml(cfg), parent=local_parent(run))
-            checkpoint = publish_checkpoint(folder, run, epoch + 1, cfg.num_to_keep)
+        every_steps = cfg.checkpoint_every_steps
+        done = (epoch + 1) * steps_per_epoch
+        if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs or (every_steps and done % every_steps == 0):
+            checkpoint = save_checkpoint(cfg, trainer, run, epoch, 0, loss_sum)
         print(
             f"epoch {epoch + 1}/{cfg.epochs} train_loss {metrics['train_loss']:.4f} val_loss {metrics['val_loss']:.4f} "
             f"val_accuracy {metrics['val_accuracy']:.4f} samples/s {metrics['samples_per_second']:.1f} "
             f"bubble {metrics['bubble_fraction']:.3f}{describe_stage_times(metrics)} lr {metrics['lr']:.5f}",
             flush=True,
         )
-        maybe_kill_stage(cfg.inject_fault, trainer, epoch + 1)
+        maybe_kill_stage(cfg.inject_fault, trainer, str(epoch + 1))
     return {
         "val_accuracy": metrics.get("val_accuracy"),
         "val_loss": metrics.get("val_loss"),

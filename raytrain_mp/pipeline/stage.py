@@ -91,6 +91,7 @@ from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import OPTIMIZERS, build_optimizer
 from raytrain_mp.pipeline.blocks import Block
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
+from raytrain_mp.pipeline.feed import StageData, StageFeed
 from raytrain_mp.pipeline.handoff import from_wire
 from raytrain_mp.pipeline.memory_format import faster_layout, in_layout
 from raytrain_mp.pipeline.partition import profile_blocks
@@ -141,6 +142,7 @@ class StageConfig:
     p2p_timeout_s: float = 300.0
     replica: int = 0
     num_replicas: int = 1
+    data: StageData | None = None  # where the first and last rank read their batches (``feed``)
 
     @property
     def num_stages(self) -> int:
@@ -324,6 +326,10 @@ class StageWorker:
         )  # fmt: skip
         self.holds_first = config.rank == 0
         self.holds_last = config.rank == config.num_ranks - 1
+        reads = config.data is not None and (self.holds_first or self.holds_last)
+        self._feed = StageFeed(
+            config.data, config.replica, config.num_replicas, self.device, self.dtype, self.holds_first, self.holds_last
+        ) if reads else None  # fmt: skip
         self._store: dist.TCPStore | None = None
         # With replicas: this replica's pipeline group and this stage's data-parallel group; with
         # one replica the default group is the pipeline and there is nothing to average.
@@ -558,17 +564,21 @@ class StageWorker:
         targets: Sequence[np.ndarray | Tensor] | None,
         max_norm: float | None,
         lrs: Sequence[float | None],
+        positions: Sequence[tuple[int, int]] | None = None,
     ) -> list[tuple[float | None, float, float, float]]:
         """``train_step`` for each of the call's steps in order (one Ray call for several steps:
         the ranks stay in step with each other between them); ``inputs``/``targets`` hold a batch
-        per step on the ranks that take them, as ``handoff.to_wire`` sent them."""
-        return [
-            self.train_step(
-                schedule, num_microbatches, microbatch_shape, from_wire(inputs[i]) if inputs is not None else None,
-                from_wire(targets[i]) if targets is not None else None, max_norm, lr,
-            )  # fmt: skip
-            for i, lr in enumerate(lrs)
-        ]
+        per step on the ranks that take them, as ``handoff.to_wire`` sent them, or ``positions``
+        names each step's (epoch, step) and the first and last rank read it themselves (``feed``)."""
+        results = []
+        for i, lr in enumerate(lrs):
+            if positions is not None:
+                x, y = self._feed.batch(*positions[i]) if self._feed is not None else (None, None)
+            else:
+                x = from_wire(inputs[i]) if inputs is not None else None
+                y = from_wire(targets[i]) if targets is not None else None
+            results.append(self.train_step(schedule, num_microbatches, microbatch_shape, x, y, max_norm, lr))
+        return results
 
     def _clip(self, max_norm: float) -> None:
         """Scale the gradients as ``clip_grad_norm_`` would over the parameters of every stage (after the
@@ -589,6 +599,25 @@ class StageWorker:
         chunks = from_wire(inputs).tensor_split(num_chunks) if self.holds_first else num_chunks
         outputs, _ = self._forward_chain(chunks)
         return torch.cat(outputs) if self.holds_last else None
+
+    def evaluate(self, chunks: Sequence[int]) -> tuple[float, int, int] | None:
+        """Eval forward of the val split, read by the first and last rank themselves (``feed``),
+        each batch in ``chunks[b]`` micro-batches. On the last rank (loss sum in float64, correct,
+        count), as the driver's evaluation sums them; None elsewhere."""
+        batches = self._feed.val_batches() if self._feed is not None else ((None, None) for _ in chunks)
+        loss_sum, correct, count = 0.0, 0, 0
+        for (x, y), num_chunks in zip(batches, chunks, strict=True):
+            outputs, _ = self._forward_chain(x.tensor_split(num_chunks) if self.holds_first else num_chunks)
+            if self.holds_last:
+                logits = torch.cat(outputs)
+                loss_sum += F.cross_entropy(logits.double(), y, reduction="sum").item()
+                correct += int((logits.argmax(dim=1) == y).sum())
+                count += len(y)
+        return (loss_sum, correct, count) if self.holds_last else None
+
+    def reads(self) -> int:
+        """Samples this rank has read from the data set (``StageFeed.reads``; 0 without one)."""
+        return self._feed.reads if self._feed is not None else 0
 
     # -- state ---------------------------------------------------------------------------------------
 

@@ -50,7 +50,9 @@ from torch import Tensor, nn
 
 from raytrain_mp.cluster import reachable, resolve_use_gpu, use_token_if_the_cluster_asks
 from raytrain_mp.errors import UsageError
+from raytrain_mp.data import read_meta
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
+from raytrain_mp.pipeline.feed import StageData, val_chunks
 from raytrain_mp.pipeline.handoff import to_wire
 from raytrain_mp.pipeline.layouts import MEMORY_FORMATS
 from raytrain_mp.pipeline.microbatch import check_microbatches
@@ -65,7 +67,7 @@ from raytrain_mp.pipeline.partition import (
     rescale_to_measured,
     split_bounds,
 )
-from raytrain_mp.pipeline.replicas import check_replicas, global_rank, replica_and_stage, replica_nodes, replica_shares
+from raytrain_mp.pipeline.replicas import check_replicas, global_rank, replica_and_stage, replica_nodes, replica_resources, replica_shares
 from raytrain_mp.pipeline.schedule import FILL_DRAIN_SCHEDULES, check_schedule
 from raytrain_mp.pipeline.stage import StageConfig, StageWorker, check_optimizer, profile_on_stage_device
 
@@ -127,45 +129,51 @@ def _error_of(ref: ray.ObjectRef) -> RayError | None:
 
 
 def check_resources(
-    nodes: Sequence[Mapping[str, float]], num_stages: int, bundle: Mapping[str, float], strategy: str,
-    num_replicas: int = 1,
+    nodes: Sequence[Mapping[str, float]], bundles: Sequence[Mapping[str, float]], strategy: str, num_replicas: int = 1,
 ) -> None:
     """Raise ``UsageError`` when the alive ``nodes`` (their total resources) can never hold
-    ``num_replicas`` placement groups of ``num_stages`` copies of ``bundle`` under ``strategy``."""
+    ``num_replicas`` placement groups of the stages' ``bundles`` (one per stage, in order) under
+    ``strategy``."""
     if strategy not in PLACEMENT_STRATEGIES:
         raise UsageError(
             f"placement_strategy: unknown strategy {strategy!r}; accepted: {', '.join(PLACEMENT_STRATEGIES)}"
         )
-    actors = num_replicas * num_stages
+    num_stages = len(bundles)
     what = f"{num_replicas} replicas x {num_stages} stages" if num_replicas > 1 else f"{num_stages} stages"
-    for resource, amount in bundle.items():
+    need = replica_resources(bundles)
+    for resource, amount in need.items():
         have = sum(node.get(resource, 0) for node in nodes)
-        if have < actors * amount:
+        if have < num_replicas * amount:
             option = "use_gpu" if resource == "GPU" else "cpus_per_stage"
-            raise UsageError(
-                f"{option}: {what} need {actors * amount:g} {resource} "
-                f"({amount:g} each); the Ray cluster has {have:g}"
-            )
+            amounts = [bundle.get(resource, 0) for bundle in bundles]
+            each = f"{amounts[0]:g} each" if len(set(amounts)) == 1 else (
+                f"{'/'.join(f'{a:g}' for a in amounts)} by stage: the first stage's loader processes (data.loader_workers) count"
+            )  # fmt: skip
+            raise UsageError(f"{option}: {what} need {num_replicas * amount:g} {resource} ({each}); the Ray cluster has {have:g}")
 
-    def fits(node: Mapping[str, float], count: int) -> bool:
-        return all(node.get(resource, 0) >= count * amount for resource, amount in bundle.items())
+    def fits(node: Mapping[str, float], bundle: Mapping[str, float]) -> bool:
+        return all(node.get(resource, 0) >= amount for resource, amount in bundle.items())
 
-    if strategy == "STRICT_PACK" and not any(fits(node, num_stages) for node in nodes):
+    shown = dict(bundles[0]) if all(bundle == bundles[0] for bundle in bundles) else [dict(bundle) for bundle in bundles]
+    each = "each" if isinstance(shown, dict) else "by stage"
+    if strategy == "STRICT_PACK" and not any(fits(node, need) for node in nodes):
         raise UsageError(
             f"placement_strategy: STRICT_PACK needs one node that holds all {num_stages} stages "
-            f"({dict(bundle)} each) and no node does; use PACK or SPREAD"
+            f"({shown} {each}) and no node does; use PACK or SPREAD"
         )
-    packed = replica_nodes({str(i): node for i, node in enumerate(nodes)}, num_replicas, num_stages, bundle)
+    packed = replica_nodes({str(i): node for i, node in enumerate(nodes)}, num_replicas, bundles)
     if strategy == "STRICT_PACK" and None in packed:
         raise UsageError(
             f"placement_strategy: STRICT_PACK needs a node per replica that holds all its {num_stages} stages "
-            f"({dict(bundle)} each); the nodes hold {packed.index(None)} of {num_replicas} replicas; use PACK or SPREAD"
+            f"({shown} {each}); the nodes hold {packed.index(None)} of {num_replicas} replicas; use PACK or SPREAD"
         )
-    if strategy == "STRICT_SPREAD" and sum(fits(node, 1) for node in nodes) < num_stages:
-        raise UsageError(
-            f"placement_strategy: STRICT_SPREAD needs {num_stages} nodes that each hold one stage "
-            f"({dict(bundle)}); use SPREAD or PACK"
-        )
+    free = list(nodes)
+    for bundle in sorted(bundles, key=lambda b: -sum(b.values())) if strategy == "STRICT_SPREAD" else ():
+        node = next((node for node in free if fits(node, bundle)), None)
+        if node is None:
+            one = "one stage" if isinstance(shown, dict) else "one stage each"
+            raise UsageError(f"placement_strategy: STRICT_SPREAD needs {num_stages} nodes that each hold {one} ({shown}); use SPREAD or PACK")
+        free.remove(node)
 
 
 def _check_options(
@@ -267,6 +275,12 @@ class PipelineTrainer:
     starts a new local Ray instance, whatever a stale ``ray start`` left behind. Stage indices count
     from 0, steps from 1.
 
+    ``data`` (a ``feed.StageData``): the data-set form. The first stage of each replica reads its
+    share of every global batch from the prepared data set itself, with loader processes on its
+    node (its bundle reserves their CPUs), and the last stage the labels; ``train_data_steps``
+    takes (epoch, step, lr) positions, ``evaluate`` runs the val split, and the driver sends no
+    pixels. ``train_step``/``train_steps``/``predict`` take tensors with or without it.
+
     ``num_replicas`` R: R copies of the pipeline (R x ``num_stages`` actors), each on the r-th
     contiguous share of every batch, which R x ``num_microbatches`` must divide; gradients are
     averaged over the replicas, so a step equals one over the whole batch. Each replica is one
@@ -298,6 +312,7 @@ class PipelineTrainer:
         p2p_timeout_s: float = 300.0,
         num_replicas: int = 1,
         balance_trials: int = 0,
+        data: StageData | None = None,
     ) -> None:
         # Everything that can be checked without a cluster, first.
         blocks = flatten_model(model, sample_input)
@@ -311,6 +326,15 @@ class PipelineTrainer:
         _check_options(model, optimizer, lr, momentum, weight_decay, clip_grad_norm, cpus_per_stage, p2p_timeout_s, memory_format)
         check_replicas(num_replicas)
         self.num_replicas = num_replicas
+        self.data = data
+        if data is not None:
+            meta = read_meta(data.root)
+            data.check(meta)
+            check_batch(data.global_batch_size, num_microbatches, num_replicas)
+            self.steps_per_epoch = meta.counts["train"] // data.global_batch_size
+            self._val_count = meta.counts["val"]
+            height, width, channels = meta.image_shape
+            self._input_shape = (channels, height, width)
         balance = _balance_mode(split_points, balance, sample_input, num_microbatches)
         _check_trials(balance, balance_trials, sample_input, num_microbatches, num_replicas)
         params = block_parameter_counts(model, blocks)
@@ -328,7 +352,10 @@ class PipelineTrainer:
         nodes = list(alive.values())
         use_gpu = resolve_use_gpu(use_gpu, num_replicas * num_stages, "stage actors")
         bundle = {"CPU": cpus_per_stage, **({"GPU": 1} if use_gpu else {})}
-        check_resources(nodes, num_stages, bundle, placement_strategy, num_replicas)
+        # The first stage's bundle also reserves a CPU for each of its loader processes.
+        loaders = data.loader_workers if data is not None else 0
+        self._bundles = [{**bundle, "CPU": cpus_per_stage + loaders * (rank == 0)} for rank in range(num_stages)]
+        check_resources(nodes, self._bundles, placement_strategy, num_replicas)
 
         self.use_gpu = use_gpu
         self.clip_grad_norm = clip_grad_norm
@@ -338,21 +365,21 @@ class PipelineTrainer:
         self._actors: list[Any] = []
         self._stopped = "shutdown(), which stopped its stage actors"
         # Only STRICT_PACK takes a target node; it spreads the replicas (a hint: Ray may still pack them).
-        targets = replica_nodes(alive, num_replicas, num_stages, bundle) if num_replicas > 1 else [None]
+        targets = replica_nodes(alive, num_replicas, self._bundles) if num_replicas > 1 else [None]
         hints = targets if placement_strategy == "STRICT_PACK" else [None] * num_replicas
         self._pgs = [
-            placement_group([dict(bundle) for _ in range(num_stages)], strategy=placement_strategy, _soft_target_node_id=hint)
+            placement_group([dict(b) for b in self._bundles], strategy=placement_strategy, _soft_target_node_id=hint)
             for hint in hints
         ]
         try:
-            self._wait_for_placement(bundle, placement_strategy)
+            self._wait_for_placement(placement_strategy)
             # The model's own order: a stage attaches a residual block's downsample with its strided conv.
             self._model_keys = list(model.state_dict())
             template = StageConfig(
                 rank=0, num_ranks=num_stages, virtual_stages=virtual_stages, optimizer=optimizer, lr=lr,
                 momentum=momentum, weight_decay=weight_decay, use_gpu=use_gpu, num_cpus=cpus_per_stage,
                 deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, memory_format=memory_format, p2p_timeout_s=p2p_timeout_s,
-                replica=0, num_replicas=num_replicas,
+                replica=0, num_replicas=num_replicas, data=data,
             )  # fmt: skip
             self.balance_trials: list[dict[str, Any]] = []  # per cut run on the actors, the profile's first
             self.profile: list[tuple[float, float]] | None = None  # per block, (forward, backward) seconds
@@ -385,7 +412,7 @@ class PipelineTrainer:
         for replica in range(self.num_replicas):
             for rank, modules in enumerate(held):
                 config = dataclasses.replace(template, rank=rank, replica=replica)
-                options = self._placement(rank, template.num_cpus, replica)
+                options = self._placement(rank, replica)
                 self._actors.append(actor_class.options(**options).remote(modules, config))
         self.devices: list[str] = self._call_all("ready")  # per actor, replica-major
         self.niceness: list[int] = self._call_all("niceness")  # per actor, replica-major
@@ -460,20 +487,20 @@ class PipelineTrainer:
         self.steps_done = 0
         return min(tried, key=lambda cut: self.balance_trials[tried.index(cut)]["bubble_fraction"])
 
-    def _placement(self, index: int, cpus: int, replica: int = 0) -> dict[str, Any]:
+    def _placement(self, index: int, replica: int = 0) -> dict[str, Any]:
         return {
-            "num_cpus": cpus,
+            "num_cpus": self._bundles[index]["CPU"],
             "num_gpus": 1 if self.use_gpu else 0,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pgs[replica], placement_group_bundle_index=index),
         }
 
-    def _wait_for_placement(self, bundle: Mapping[str, float], strategy: str) -> None:
+    def _wait_for_placement(self, strategy: str) -> None:
         refs = [pg.ready() for pg in self._pgs]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_PLACEMENT_TIMEOUT_S)
         if len(ready) < len(refs):
             groups = f"{self.num_replicas} placement groups" if self.num_replicas > 1 else "placement group"
             raise RuntimeError(
-                f"{groups} of {self.num_stages} x {dict(bundle)} ({strategy}) was not ready after "
+                f"{groups} of {self._bundles} ({strategy}) was not ready after "
                 f"{_PLACEMENT_TIMEOUT_S:g} s; other jobs may hold the resources"
             )
 
@@ -481,7 +508,7 @@ class PipelineTrainer:
         # Profile where rank 0 will run, before its actor takes the bundle: the target device.
         # max_calls=1: the task's worker exits afterwards, so it holds no CUDA context on the GPU and its
         # allocator settings (allocator.keep_freed_memory) die with it.
-        task = ray.remote(max_calls=1)(profile_on_stage_device).options(**self._placement(0, config.num_cpus))
+        task = ray.remote(max_calls=1)(profile_on_stage_device).options(**self._placement(0))
         return ray.get(
             task.remote(model, blocks, sample, self.use_gpu, config.num_cpus, config.autocast_bf16, config.memory_format)
         )
@@ -555,13 +582,27 @@ class PipelineTrainer:
         next batches, happen while the steps before them compute. The actors run their calls in
         order, so the steps are those of ``train_step`` one by one. Every submitted step runs:
         closing the iterator early still waits for the queued ones."""
+        return self._pipelined(batches, self._submit, ahead, steps_per_call)
+
+    def train_data_steps(
+        self, positions: Iterable[tuple[int, int, float | None]], ahead: int = 1, steps_per_call: int = 1
+    ) -> Iterator[float]:
+        """``train_steps`` over the data set the trainer was built with (``data``): each
+        ``(epoch, step, lr)`` names global step ``step`` (from 0) of ``epoch``'s seeded order
+        (``feed.epoch_batches``), which the first stage of every replica reads its share of, and
+        the last stage its labels; the calls carry positions and learning rates only."""
+        if self.data is None:
+            raise UsageError("data: train_data_steps reads the data set given as data=StageData(...); this trainer has none (use train_steps)")
+        return self._pipelined(positions, self._submit_positions, ahead, steps_per_call)
+
+    def _pipelined(self, items: Iterable[Any], submit: Any, ahead: int, steps_per_call: int) -> Iterator[float]:
         if steps_per_call < 1 or ahead < 0:
             raise UsageError(f"steps_per_call must be >= 1 and ahead >= 0, got {steps_per_call} and {ahead}")
-        batches = iter(batches)
+        items = iter(items)
         queued: deque[tuple[int, list[tuple[int, ray.ObjectRef]], float, int]] = deque()
         try:
-            while chunk := list(itertools.islice(batches, steps_per_call)):
-                queued.append(self._submit(chunk))
+            while chunk := list(itertools.islice(items, steps_per_call)):
+                queued.append(submit(chunk))
                 if len(queued) > ahead:
                     yield from self._finish(*queued.popleft())
             while queued:
@@ -585,20 +626,37 @@ class PipelineTrainer:
         inputs = chunk[0][0]
         shape = (len(inputs) // (self.num_replicas * m), *inputs.shape[1:])
         shares = [replica_shares(x, y, self.num_replicas) for x, y, _ in chunk]  # per step, per replica
-        lrs = [lr for _, _, lr in chunk]
-        submitted = time.perf_counter()
         last = self.num_stages - 1
-        refs = [
-            (global_rank(replica, rank, self.num_stages), self.actor(rank, replica).train_steps.remote(
-                self.schedule, m, shape, [to_wire(step[replica][0]) for step in shares] if rank == 0 else None,
-                [to_wire(step[replica][1]) for step in shares] if rank == last else None, self.clip_grad_norm, lrs,
-            ))
-            for replica in range(self.num_replicas)
-            for rank in range(self.num_stages)
-        ]  # fmt: skip
+
+        def payload(replica: int, rank: int) -> tuple[Any, Any, None]:
+            inputs = [to_wire(step[replica][0]) for step in shares] if rank == 0 else None
+            return inputs, [to_wire(step[replica][1]) for step in shares] if rank == last else None, None
+
+        return self._send(shape, [lr for _, _, lr in chunk], payload)
+
+    def _submit_positions(self, chunk: list[tuple[int, int, float | None]]) -> tuple[int, list[tuple[int, ray.ObjectRef]], float, int]:
+        """``_submit`` of steps the stages read themselves: each rank gets the positions."""
+        batch, m = self.data.global_batch_size, self.num_microbatches
+        check_batch(batch, m, self.num_replicas)
+        shape = (batch // (self.num_replicas * m), *self._input_shape)
+        positions = [(epoch, step) for epoch, step, _ in chunk]
+        return self._send(shape, [lr for _, _, lr in chunk], lambda replica, rank: (None, None, positions))
+
+    def _send(self, shape: tuple[int, ...], lrs: list[float | None], payload: Any) -> tuple[int, list[tuple[int, ray.ObjectRef]], float, int]:
+        """One ``train_steps`` call per actor for the steps of ``lrs``, with ``payload(replica,
+        rank)``'s (inputs, targets, positions): (first step number, refs, when, steps)."""
+        submitted = time.perf_counter()
+        refs = []
+        for replica in range(self.num_replicas):
+            for rank in range(self.num_stages):
+                inputs, targets, positions = payload(replica, rank)
+                call = self.actor(rank, replica).train_steps.remote(
+                    self.schedule, self.num_microbatches, shape, inputs, targets, self.clip_grad_norm, lrs, positions
+                )
+                refs.append((global_rank(replica, rank, self.num_stages), call))
         first = self.steps_done + self._queued + 1
-        self._queued += len(chunk)
-        return first, refs, submitted, len(chunk)
+        self._queued += len(lrs)
+        return first, refs, submitted, len(lrs)
 
     def _finish(self, first: int, refs: list[tuple[int, ray.ObjectRef]], submitted: float, steps: int) -> list[float]:
         """Wait for a submitted call and return its steps' losses. Its time counts from when the
@@ -625,6 +683,23 @@ class PipelineTrainer:
             for rank in range(self.num_stages)
         ]
         return self._gather(refs, step=None)[-1]
+
+    def evaluate(self) -> dict[str, float]:
+        """Eval-mode loss and accuracy over the val split of ``data``, every sample once, in batches
+        of ``data.val_batch``: replica 0's first stage reads the images and its last stage the
+        labels (``feed``); the driver gets three numbers."""
+        if self.data is None:
+            raise UsageError("data: evaluate reads the data set given as data=StageData(...); this trainer has none (use predict)")
+        chunks = val_chunks(self._val_count, self.data.val_batch, self.num_microbatches)
+        refs = [(rank, self.actor(rank).evaluate.remote(chunks)) for rank in range(self.num_stages)]
+        loss_sum, correct, count = self._gather(refs, step=None)[-1]
+        return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_count": count}
+
+    def reads(self) -> list[int]:
+        """Per actor (replica-major), the samples it has read from ``data`` (images on a first
+        stage, labels on a last one)."""
+        return self._call_all("reads")
+
     # -- statistics ------------------------------------------------------------------------------
 
     def _reset_stats(self) -> None:

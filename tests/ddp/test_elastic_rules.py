@@ -10,7 +10,8 @@ import pytest
 from torch.utils.data import DistributedSampler
 
 from raytrain_mp.data.loader import EpochKeys
-from raytrain_mp.ddp.elastic import check_world_sizes, items_to_skip, parse_worker_range, resume_position
+from raytrain_mp.checkpointing import resume_position
+from raytrain_mp.ddp.elastic import check_world_sizes, items_to_skip, parse_worker_range
 from raytrain_mp.errors import UsageError
 
 

@@ -1,11 +1,13 @@
-"""`raytrain-mp pipeline` end to end: bad inputs before any actor, a killed stage resumes exactly."""
+"""`raytrain-mp pipeline` end to end: bad inputs before any actor, a killed stage resumes exactly
+(after an epoch, or mid-epoch from a --checkpoint-every-steps checkpoint, with the same or another
+number of replicas), whoever reads the batches (loader processes or the stage actor)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import assert_usage_error, run_cli, run_cli_json
+from helpers import assert_usage_error, run_cli, run_cli_json, run_cli_text
 from raytrain_mp.models import build_model
 
 
@@ -80,18 +82,25 @@ def fp64_runs(ray_session, tiny_data, tmp_path_factory):
     marker = tmp_path_factory.mktemp("pfault") / "killed"
     args = ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
             "--microbatches", "4", "--schedule", "1f1b", "--epochs", "2", "--precision", "fp64",
-            "--balance", "params", "--storage-path", storage, "--log-every", "0"]  # fmt: skip
+            "--balance", "params", "--storage-path", storage, "--log-every", "0", "--augment", "--loader-workers", "1"]  # fmt: skip
     plain = run_cli_json(*args, "--name", "plain")
-    # 3 steps a Ray call: the killed run must still equal the plain one, step by step
-    killed = run_cli_json(*args, "--name", "killed", "--max-failures", "1", "--inject-fault", f"1:1:{marker}", "--steps-per-call", "3")
+    # Killed after global step 8 (step 3 of epoch 2), it resumes from the checkpoint after step 6;
+    # 3 steps a Ray call: it must still equal the plain run, step by step.
+    killed = run_cli_json(*args, "--name", "killed", "--max-failures", "1", "--inject-fault", f"1:s8:{marker}",
+                          "--steps-per-call", "3", "--checkpoint-every-steps", "2")  # fmt: skip
     return plain, killed, marker
 
 
 @pytest.mark.slow  # the fp64 runs
-def test_killed_stage_resumes_from_checkpoint(fp64_runs):
+def test_killed_stage_resumes_mid_epoch_from_checkpoint(fp64_runs):
+    from pathlib import Path
+
     plain, killed, marker = fp64_runs
-    assert marker.read_text() == "killed stage 1 after epoch 1\n"
+    assert marker.read_text() == "killed stage 1 after step 8\n"
     assert killed["epochs"] == plain["epochs"] == 2
+    assert killed["train_loss"] == pytest.approx(plain["train_loss"], rel=1e-9)  # epoch 2's loss carried over the restart
+    # Global steps 2, 4 (epoch 1), 6, 8 (epoch 2) and the epochs' ends; the 2 newest are kept.
+    assert sorted(p.name for p in Path(killed["run"]).glob("checkpoint_*")) == ["checkpoint_000002", "checkpoint_000002_step_000003"]
     a = torch.load(plain["model"], weights_only=True)
     b = torch.load(killed["model"], weights_only=True)
     assert a.keys() == b.keys()
@@ -165,18 +174,22 @@ def test_replicas_survive_a_killed_actor_and_a_change_of_replicas(fp64_runs, tin
     """--replicas 2 x --microbatches 2 runs the same 4 micro-batches per step as the plain run
     (--replicas 1 x --microbatches 4), so every run here ends with its model (1e-9, fp64): one
     whose actor of replica 1, stage 0 is killed after epoch 1 and rebuilt from the checkpoint, and
-    one trained with 1 replica for epoch 1 and resumed with 2 for epoch 2."""
+    one trained with 1 replica until it fails after step 3 and rerun with 2 replicas, which
+    continues with step 4 from the checkpoint after step 2. The stage actors read the batches
+    themselves here (no loader process), and the plain run's loader processes read the same."""
     plain, _, _ = fp64_runs
     marker = tmp_path / "fault-marker"
     args = ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
             "--schedule", "1f1b", "--precision", "fp64", "--balance", "params", "--storage-path", str(tmp_path / "runs"),
-            "--log-every", "0"]  # fmt: skip
+            "--log-every", "0", "--augment"]  # fmt: skip
     killed = run_cli_json(*args, "--name", "killed", "--epochs", "2", "--replicas", "2", "--microbatches", "2",
                           "--max-failures", "1", "--inject-fault", f"2:1:{marker}")  # fmt: skip
     assert marker.read_text() == "killed stage 0 of replica 1 after epoch 1\n"
     assert killed["num_replicas"] == 2 and len(killed["actors"]) == 4
     assert [(actor["replica"], actor["stage"]) for actor in killed["actors"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    run_cli_json(*args, "--name", "change", "--epochs", "1", "--replicas", "1", "--microbatches", "4")
+    code, output = run_cli_text(*args, "--name", "change", "--epochs", "2", "--replicas", "1", "--microbatches", "4",
+                                "--checkpoint-every-steps", "2", "--inject-fault", f"0:s3:{tmp_path / 'failed'}")  # fmt: skip
+    assert code == 1 and "pipeline stage 0 (of stages 0-1) failed" in output, output[-2000:]
     changed = run_cli_json(*args, "--name", "change", "--epochs", "2", "--replicas", "2", "--microbatches", "2")
     assert changed["epochs"] == 2 and changed["num_replicas"] == 2
     want = torch.load(plain["model"], weights_only=True)

@@ -68,10 +68,10 @@ def test_rank_layout_is_replica_major() -> None:
 def test_replica_nodes_spread_where_they_can() -> None:
     cpu = {"CPU": 1}
     two = {"a": {"CPU": 2}, "b": {"CPU": 2}}
-    assert replica_nodes(two, 2, 2, cpu) == ["a", "b"]
-    assert replica_nodes(two, 3, 2, cpu) == ["a", "b", None]
-    assert replica_nodes({"big": {"CPU": 8}, "small": {"CPU": 2}}, 3, 2, cpu) == ["big", "small", "big"]
-    assert replica_nodes({"gpu": {"CPU": 8, "GPU": 2}, "cpu": {"CPU": 8}}, 2, 2, {"CPU": 1, "GPU": 1}) == ["gpu", None]
+    assert replica_nodes(two, 2, [cpu] * 2) == ["a", "b"]
+    assert replica_nodes(two, 3, [cpu] * 2) == ["a", "b", None]
+    assert replica_nodes({"big": {"CPU": 8}, "small": {"CPU": 2}}, 3, [cpu] * 2) == ["big", "small", "big"]
+    assert replica_nodes({"gpu": {"CPU": 8, "GPU": 2}, "cpu": {"CPU": 8}}, 2, [{"CPU": 1, "GPU": 1}] * 2) == ["gpu", None]
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
@@ -97,12 +97,12 @@ def test_running_stats_weights_equal_sequential_updates(momentum: float | None) 
 
 def test_resource_check_counts_every_replica() -> None:
     nodes = [{"CPU": 2}, {"CPU": 2}]
-    check_resources(nodes, 2, {"CPU": 1}, "STRICT_PACK", num_replicas=2)
+    check_resources(nodes, [{"CPU": 1}] * 2, "STRICT_PACK", num_replicas=2)
     with pytest.raises(UsageError) as info:
-        check_resources(nodes, 2, {"CPU": 1}, "PACK", num_replicas=3)
+        check_resources(nodes, [{"CPU": 1}] * 2, "PACK", num_replicas=3)
     assert str(info.value) == "cpus_per_stage: 3 replicas x 2 stages need 6 CPU (1 each); the Ray cluster has 4"
     with pytest.raises(UsageError, match=r"^placement_strategy: STRICT_PACK needs a node per replica .* hold 1 of 2 replicas"):
-        check_resources([{"CPU": 3}, {"CPU": 1}], 2, {"CPU": 1}, "STRICT_PACK", num_replicas=2)
+        check_resources([{"CPU": 3}, {"CPU": 1}], [{"CPU": 1}] * 2, "STRICT_PACK", num_replicas=2)
 
 
 # -- on Ray ------------------------------------------------------------------------------------------

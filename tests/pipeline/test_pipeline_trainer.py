@@ -449,22 +449,33 @@ def test_bad_models(model: nn.Module, message: str) -> None:
 
 def test_placement_checks() -> None:
     nodes = [{"CPU": 4, "GPU": 2}, {"CPU": 4, "GPU": 2}]
-    check_resources(nodes, 4, {"CPU": 1, "GPU": 1}, "PACK")
-    check_resources(nodes, 2, {"CPU": 2, "GPU": 1}, "STRICT_SPREAD")
+    check_resources(nodes, [{"CPU": 1, "GPU": 1}] * 4, "PACK")
+    check_resources(nodes, [{"CPU": 2, "GPU": 1}] * 2, "STRICT_SPREAD")
     with pytest.raises(UsageError) as info:
-        check_resources(nodes, 4, {"CPU": 1, "GPU": 1}, "STRICT_PACK")
+        check_resources(nodes, [{"CPU": 1, "GPU": 1}] * 4, "STRICT_PACK")
     assert str(info.value) == (
         "placement_strategy: STRICT_PACK needs one node that holds all 4 stages ({'CPU': 1, 'GPU': 1} each) "
         "and no node does; use PACK or SPREAD"
     )
     with pytest.raises(UsageError) as info:
-        check_resources(nodes, 3, {"CPU": 1}, "STRICT_SPREAD")
+        check_resources(nodes, [{"CPU": 1}] * 3, "STRICT_SPREAD")
     assert str(info.value) == (
         "placement_strategy: STRICT_SPREAD needs 3 nodes that each hold one stage ({'CPU': 1}); use SPREAD or PACK"
     )
     with pytest.raises(UsageError) as info:
-        check_resources(nodes, 5, {"CPU": 1, "GPU": 1}, "SPREAD")
+        check_resources(nodes, [{"CPU": 1, "GPU": 1}] * 5, "SPREAD")
     assert str(info.value) == "use_gpu: 5 stages need 5 GPU (1 each); the Ray cluster has 4"
+    # A first stage's loader processes (data.loader_workers) take CPUs of its bundle only.
+    loading = [{"CPU": 3}, {"CPU": 1}]
+    check_resources(nodes, loading, "STRICT_PACK", num_replicas=2)
+    with pytest.raises(UsageError) as info:
+        check_resources(nodes, loading, "PACK", num_replicas=3)
+    assert str(info.value) == (
+        "cpus_per_stage: 3 replicas x 2 stages need 12 CPU (3/1 by stage: the first stage's loader processes "
+        "(data.loader_workers) count); the Ray cluster has 8"
+    )
+    with pytest.raises(UsageError, match=r"^placement_strategy: STRICT_SPREAD needs 2 nodes that each hold one stage each"):
+        check_resources([{"CPU": 2}, {"CPU": 2}], loading, "STRICT_SPREAD")
 
 
 @pytest.mark.gpu(2)  # NCCL needs a GPU per rank

@@ -1,0 +1,207 @@
+"""The pipeline's data-set form (``feed``): each replica's first stage reads its share of every
+batch itself, the last stage its labels, and the driver's calls carry positions, not pixels.
+
+Pure rules first (shares, checkpoint segments and order), then ``PipelineTrainer(data=...)`` on
+real stage actors against single-process gradient accumulation over the same samples, in float64,
+for every schedule, with augmentation, loader processes and replicas.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raytrain_mp.checkpointing import checkpoint_name, checkpoint_order
+from raytrain_mp.data import ParquetImageDataset
+from raytrain_mp.errors import UsageError
+from raytrain_mp.pipeline import PipelineTrainer
+from raytrain_mp.pipeline.feed import ShareSampler, StageData, epoch_batches, val_batch_sizes, val_chunks
+from raytrain_mp.pipeline.replicas import replica_shares
+from raytrain_mp.pipeline.run import step_segments
+from test_pipeline_trainer import _accumulate, _assert_state_close
+
+BATCH, SEED = 16, 7
+LRS = [0.05, 0.03, 0.02]
+
+
+# -- pure ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_replica_shares_of_the_epoch_order_are_the_driver_fed_shares(replicas: int) -> None:
+    length, batch = 70, 16  # 4 full batches, 6 samples dropped
+    for epoch in (0, 1):
+        batches = epoch_batches(length, batch, SEED, epoch)
+        shares = [list(ShareSampler(length, batch, SEED, replicas, r)) for r in range(replicas)]
+        for r in range(replicas):
+            sampler = ShareSampler(length, batch, SEED, replicas, r)
+            sampler.set_epoch(epoch)
+            shares[r] = list(sampler)
+            assert len(shares[r]) == len(sampler) == 4 * batch // replicas
+        for step, indices in enumerate(batches):
+            driver = replica_shares(indices, indices, replicas)
+            share = batch // replicas
+            assert [shares[r][step * share : (step + 1) * share] for r in range(replicas)] == [x.tolist() for x, _ in driver]
+    assert not torch.equal(epoch_batches(length, batch, SEED, 0)[0], epoch_batches(length, batch, SEED, 1)[0])
+
+
+def test_step_segments_end_where_the_global_step_is_a_multiple() -> None:
+    assert step_segments(0, 5, 0, None) == [range(0, 5)]
+    assert step_segments(0, 5, 0, 2) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert step_segments(0, 5, 1, 2) == [range(0, 1), range(1, 3), range(3, 5)]  # global steps 5..9
+    assert step_segments(3, 5, 1, 2) == [range(3, 5)]  # resumed at step 3: its checkpoint came before
+    assert step_segments(2, 5, 0, 7) == [range(2, 5)]
+
+
+def test_checkpoint_order_is_the_order_of_writing() -> None:
+    written = [checkpoint_name(1, 2), checkpoint_name(1, 4), checkpoint_name(1), checkpoint_name(2, 1), checkpoint_name(2), checkpoint_name(10)]
+    assert written[:3] == ["checkpoint_000001_step_000002", "checkpoint_000001_step_000004", "checkpoint_000001"]
+    assert sorted(reversed(written), key=checkpoint_order) == written
+    assert sorted(written) != written  # by name alone, the end of epoch 1 would sort first
+
+
+def test_val_batches_cover_the_split_once() -> None:
+    assert val_batch_sizes(40, 16) == [16, 16, 8]
+    assert val_chunks(40, 16, 4) == [4, 4, 4]
+    assert val_chunks(35, 16, 4) == [4, 4, 3]
+
+
+# -- on Ray ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> str:
+    """200 8x8 grey images of 4 classes (160 train: 10 steps of 16; 40 val), stored raw: augmentation crops and flips."""
+    from raytrain_mp.data.prepare import write_dataset
+    from raytrain_mp.data.sources import make_synthetic_source
+
+    out = tmp_path_factory.mktemp("feed") / "d"
+    write_dataset(make_synthetic_source(200, 8, 4, 1, 0.2, 11), out)
+    return str(out)
+
+
+def _model() -> nn.Module:
+    """Four blocks with parameters each (torch's zero-bubble runtime fails a stage that has none)."""
+    torch.manual_seed(0)
+
+    def block(a: int, b: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b), nn.ReLU())
+
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    return nn.Sequential(block(1, 6), block(6, 8), block(8, 8), head).double()
+
+
+def _reference(root: str, steps: int, parts: int) -> tuple[list[float], nn.Module]:
+    """Single-process gradient accumulation over the samples of epoch 0's first ``steps`` global
+    batches, read and augmented on the driver, in ``parts`` micro-batches each."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LRS[0], momentum=0.9)
+    train = ParquetImageDataset(root, "train", augment=True, seed=SEED)
+    losses = []
+    for indices, lr in zip(epoch_batches(len(train), BATCH, SEED, 0)[:steps], LRS):
+        images, y, params = train.batch((0, int(i)) for i in indices)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        losses.append(_accumulate(model, optimizer, train.transform(images, params, torch.device("cpu"), torch.float64), y, parts))
+    return losses, model
+
+
+def _evaluate(model: nn.Module, root: str) -> dict:
+    val = ParquetImageDataset(root, "val")
+    images, y, params = val.batch(range(len(val)))
+    with torch.no_grad():
+        logits = model.eval()(val.transform(images, params, torch.device("cpu"), torch.float64))
+    model.train()
+    return {"val_loss": F.cross_entropy(logits, y, reduction="sum").item() / len(y), "val_accuracy": (logits.argmax(1) == y).double().mean().item()}
+
+
+class _Spy:
+    """An actor handle that records the pickled size of every call's arguments."""
+
+    def __init__(self, actor: object, sizes: list[tuple[str, int]]) -> None:
+        self._actor, self._sizes = actor, sizes
+
+    def __getattr__(self, name: str) -> object:
+        method, sizes = getattr(self._actor, name), self._sizes
+
+        class _Method:
+            def remote(self, *args: object) -> object:
+                sizes.append((name, len(pickle.dumps(args))))
+                return method.remote(*args)
+
+        return _Method()
+
+
+@pytest.fixture(scope="module")
+def trainer_for(images: str, ray_session: object) -> Iterator:
+    """A trainer per layout (virtual stages, replicas), made once and reset to its initial state
+    for each use: 2 ranks, one loader process on the first (3 CPUs); with 2 replicas none (4 CPUs,
+    the session's; a replica's result does not depend on who reads, which this also checks)."""
+    made: dict[tuple[int, int], tuple[PipelineTrainer, dict, list]] = {}
+
+    def trainer_for(schedule: str, virtual: int, replicas: int) -> PipelineTrainer:
+        if (virtual, replicas) not in made:
+            for trainer, _, _ in made.values():  # the session's 4 CPUs hold one of them at a time
+                trainer.shutdown()
+            made.clear()
+            data = StageData(images, BATCH, seed=SEED, augment=True, loader_workers=int(replicas == 1), val_batch_size=16)
+            trainer = PipelineTrainer(
+                _model(), 2, schedule=schedule, num_microbatches=4 // replicas, virtual_stages=virtual, num_replicas=replicas,
+                lr=LRS[0], momentum=0.9, weight_decay=0.0, use_gpu=False, memory_format="contiguous", data=data,
+            )  # fmt: skip
+            made[virtual, replicas] = trainer, trainer.state_dict(), trainer.optimizer_state_dicts()
+        trainer, state, optimizer_states = made[virtual, replicas]
+        trainer.load_state_dict(state)
+        trainer.load_optimizer_state_dicts(optimizer_states)
+        trainer.set_schedule(schedule)
+        return trainer
+
+    yield trainer_for
+    for trainer, _, _ in made.values():
+        trainer.shutdown()
+
+
+@pytest.mark.parametrize(
+    "schedule, virtual, replicas",
+    [("gpipe", 1, 1), ("1f1b", 1, 1), ("interleaved-1f1b", 2, 1), ("interleaved-zb", 2, 1), ("gpipe", 1, 2)],
+)
+def test_stages_read_their_batches_and_equal_gradient_accumulation(trainer_for, images, schedule, virtual, replicas) -> None:
+    """Three steps (2 a call, the second call queued), then the val split: the model equals single-process
+    gradient accumulation over the same 4 micro-batches a step, and the driver sent positions."""
+    trainer = trainer_for(schedule, virtual, replicas)
+    reads_before = trainer.reads()
+    sizes: list[tuple[str, int]] = []
+    actors = trainer._actors
+    trainer._actors = [_Spy(actor, sizes) for actor in actors]
+    try:
+        losses = list(trainer.train_data_steps([(0, step, lr) for step, lr in enumerate(LRS)], steps_per_call=2))
+        evaluation = trainer.evaluate()
+    finally:
+        trainer._actors = actors
+    want_losses, want_model = _reference(images, len(LRS), 4)
+    assert losses == pytest.approx(want_losses, rel=1e-10)
+    _assert_state_close(trainer.state_dict(), want_model.state_dict(), 1e-10)
+    want_eval = _evaluate(want_model, images)
+    assert evaluation["val_count"] == 40
+    assert evaluation["val_loss"] == pytest.approx(want_eval["val_loss"], rel=1e-10)
+    assert evaluation["val_accuracy"] == want_eval["val_accuracy"]
+    # What the driver sent: 2 calls x every actor, then an evaluation call per rank of replica 0.
+    assert [name for name, _ in sizes] == ["train_steps"] * 2 * 2 * replicas + ["evaluate"] * 2
+    assert max(size for _, size in sizes) < 2048, sizes
+    # Who read: every first stage its share of 3 steps and the val split on replica 0; every
+    # last stage the same number of labels.
+    reads = [after - before for before, after in zip(reads_before, trainer.reads())]
+    share = BATCH // replicas
+    assert reads == [3 * share + 40 * (replica == 0) for replica in range(replicas) for _ in range(2)]
+
+
+def test_data_form_checks_before_any_actor(images: str) -> None:
+    with pytest.raises(UsageError, match=r"^data: global_batch_size 500 must be between 1 and the 160 training samples$"):
+        PipelineTrainer(_model(), 2, data=StageData(images, 500))
+    with pytest.raises(UsageError, match=r"^num_microbatches: 3 micro-batches do not divide a batch of 16 samples"):
+        PipelineTrainer(_model(), 2, num_microbatches=3, data=StageData(images, 16))
