@@ -2,7 +2,8 @@
 
 Invariants: every bad input ends as one line ``raytrain-mp: error: ...`` on stderr and exit code 2
 (argparse's own errors included), raised before Ray starts or any output is written; with
-``--json`` the last line of stdout is one JSON object describing the result.
+``--json`` the last line of stdout is one JSON object describing the result, at full precision;
+without it the result prints as ``key: value`` lines whose floats have 4 significant digits.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from raytrain_mp.bench.config import BenchDataConfig, BenchDDPConfig, BenchPipelineConfig
 from raytrain_mp.config import add_arguments, build_config
@@ -32,13 +34,35 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+class Readable(float):
+    """A float that prints with 4 significant digits (``5.098e-06``, ``0.9694``), also inside a list or dict."""
+
+    def __repr__(self) -> str:
+        return f"{float(self):.4g}"
+
+    __str__ = __repr__
+
+
+def readable(value: Any) -> Any:
+    """``value`` with every float, also inside lists and dicts, a ``Readable``."""
+    if isinstance(value, float):
+        return Readable(value)
+    if isinstance(value, dict):
+        return {key: readable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [readable(item) for item in value]
+    return value
+
+
 def emit(result: dict, as_json: bool, title: str) -> None:
+    """The result: one JSON line at full precision with ``--json``, else the title and one
+    ``key: value`` line each, floats as a person reads them."""
     if as_json:
         print(json.dumps(result, default=str))
         return
     print(title)
     for key, value in result.items():
-        print(f"  {key}: {value}")
+        print(f"  {key}: {readable(value)}")
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -201,7 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=OneLineParser)
     add_command(bench_sub, "pipeline", "one process vs model parallel vs pipelined schedules", BenchPipelineConfig, cmd_bench_pipeline)
     add_command(bench_sub, "ddp", "Ray Train DDP vs a bare torchrun loop, samples/s", BenchDDPConfig, cmd_bench_ddp)
-    add_command(bench_sub, "data", "loader samples/s: raw and encoded images vs torchvision ImageFolder + PIL", BenchDataConfig, cmd_bench_data)
+    add_command(
+        bench_sub, "data", "loader samples/s: raw and encoded images vs torchvision ImageFolder + PIL; with --cases "
+        "pipeline_input_jpeg_224, the pipeline run loop fed by the driver vs by its stage loaders", BenchDataConfig, cmd_bench_data,
+    )  # fmt: skip
     return parser
 
 

@@ -36,7 +36,7 @@ def run_cli(capsys, *argv: str) -> CliResult:
 # Ray forwards its actors' logs to the driver's stderr, prefixed "(ActorName pid=N)", possibly in
 # colour: e.g. Ray Train's placement-group cleaners from earlier fits in the session, which warn
 # every second when the session runs without a dashboard. They are Ray's lines, not the command's.
-RAY_FORWARDED = re.compile(r"^(\x1b\[[0-9;]*m)?\(\w+ pid=\d+")
+RAY_FORWARDED = re.compile(r"^(\x1b\[[0-9;]*m)?\((\w+ )?pid=\w+")
 
 
 def assert_usage_error(result: CliResult, *fragments: str) -> None:

@@ -29,8 +29,10 @@ CONCEPTS = {
     r"also show Ray's informational log lines": "--verbose",
 }
 TRAINING_COMMANDS = ("ddp", "pipeline", "tune")
-# Same name, deliberately different default: DDP workers fill nodes, pipeline stages share one.
-DIFFERENT_DEFAULTS = {"placement"}
+# Same name, deliberately different default: DDP workers fill nodes, pipeline stages share one; a
+# DDP worker's loader processes come out of --cpus-per-worker (None: all of them but one), a
+# pipeline stage's on top of --cpus-per-stage, its torch threads (0: none).
+DIFFERENT_DEFAULTS = {"placement", "loader_workers"}
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:

@@ -19,6 +19,9 @@ report). Invariants that make the trained model independent of the number of wor
   epoch's sample order, so a group of any size restarted from it (a crash, an elastic resize)
   continues with the next global step on the same samples (``elastic.items_to_skip``), and the
   learning rate follows the global step: the result does not depend on how the group changed.
+- Rank 0 keeps the run's log (``run_log``: ``metrics.csv``, TensorBoard events, ``curves.png``) in
+  the run folder and publishes it before each checkpoint it writes, so a resume continues it at the
+  checkpoint's global step. Its step rows carry rank 0's running loss, as the progress line does.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.storage import join, locate, name_of
 from raytrain_mp.models import build_model
 from raytrain_mp.optim import build_optimizer
+from raytrain_mp.run_log import RunLog
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -166,11 +170,14 @@ def train_loop_per_worker(config: dict) -> None:
     history = [*history, [start_step, world]]
     if rank == 0:
         print(f"{world} worker{'s' * (world > 1)} on {num_nodes} node{'s' * (num_nodes > 1)} from step {start_step}", flush=True)
+    run = locate(cfg.storage_path, "--storage-path").child(cfg.name)
+    log = RunLog(run, start_step, cfg.global_batch_size) if rank == 0 else None  # metrics.csv, TensorBoard, curves.png
 
     def make_checkpoint(last_epoch: int, steps_done: int, epoch_loss: tuple[float, float]) -> ray.train.Checkpoint | None:
         """Rank 0's checkpoint after ``steps_done`` steps of the epoch after ``last_epoch``; None elsewhere."""
         if rank != 0:
             return None
+        log.publish()  # the published log covers every step of a checkpoint (a resume truncates it there)
         train_state = {
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
@@ -215,6 +222,7 @@ def train_loop_per_worker(config: dict) -> None:
             scheduler.step()
             if rank == 0 and cfg.log_every and (step + 1) % cfg.log_every == 0:
                 print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} loss {loss_sum / samples:.4f}", flush=True)
+                log.step(global_step + 1, epoch + 1, loss_sum / samples, step_lr)
             if every_steps and (global_step + 1) % every_steps == 0 and step + 1 < steps_per_epoch:
                 epoch_loss = all_reduce_sum([loss_sum, samples], device)
                 ray.train.report(
@@ -249,6 +257,7 @@ def train_loop_per_worker(config: dict) -> None:
                 f"samples/s {metrics['samples_per_second']:.1f} lr {metrics['lr']:.5f}",
                 flush=True,
             )
+            log.epoch(done, metrics)
         ray.train.report(
             metrics,
             checkpoint=make_checkpoint(epoch, 0, (0.0, 0.0)) if due else None,
@@ -256,5 +265,7 @@ def train_loop_per_worker(config: dict) -> None:
             delete_local_checkpoint_after_upload=True,
         )
         maybe_inject_fault(cfg.inject_fault, rank, str(epoch + 1))
+    if rank == 0:
+        log.close()
     if dist.is_initialized():
         dist.barrier()

@@ -33,6 +33,9 @@ Invariants:
   before Ray starts (the checkpoint's optimizer states say how many stage actors trained it).
 - A rerun of a finished run (``result.json`` beside the checkpoints) prints its summary and starts
   nothing (``cli``).
+- The driver keeps the run's log (``run_log``: ``metrics.csv``, TensorBoard events, ``curves.png``)
+  in the run folder, published before every checkpoint; each attempt (a restart, a rerun)
+  continues it from the global step it resumes at.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ from raytrain_mp.pipeline.feed import StageData
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
 from raytrain_mp.pipeline.replicas import replica_and_stage
 from raytrain_mp.pipeline.schedule import FLAT_SCHEDULES, bubble_for_stage_times
+from raytrain_mp.run_log import RunLog
 
 
 def build_run_model(cfg: PipelineConfig, meta) -> nn.Module:
@@ -338,6 +342,7 @@ def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: flo
     checkpoint = latest_complete(run, CHECKPOINT_PREFIX, checkpoint_order)
     steps_per_epoch = trainer.steps_per_epoch
     start_epoch, start_step = position
+    log = RunLog(run, start_epoch * steps_per_epoch + start_step, cfg.global_batch_size)
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
         loss_sum = carried if first else 0.0
@@ -346,10 +351,13 @@ def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: flo
             steps = ((epoch, step, schedule(epoch * steps_per_epoch + step)) for step in segment)
             for step, loss in enumerate(trainer.train_data_steps(steps, steps_per_call=cfg.steps_per_call), start=segment.start):
                 loss_sum += loss
+                done = epoch * steps_per_epoch + step + 1
                 if cfg.log_every and (step + 1) % cfg.log_every == 0:
                     print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} loss {loss_sum / (step + 1):.4f}", flush=True)
-                maybe_kill_stage(cfg.inject_fault, trainer, f"s{epoch * steps_per_epoch + step + 1}")
+                    log.step(done, epoch + 1, loss_sum / (step + 1), schedule(done - 1), trainer.stats(reset=False)["bubble_fraction"])
+                maybe_kill_stage(cfg.inject_fault, trainer, f"s{done}")
             if segment.stop < steps_per_epoch:
+                log.publish()  # the published log covers every step of a checkpoint (a resume truncates it there)
                 checkpoint = save_checkpoint(cfg, trainer, run, epoch, segment.stop, loss_sum)
         elapsed = time.perf_counter() - started
         stats = trainer.stats()
@@ -366,6 +374,7 @@ def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: flo
             raise FloatingPointError(f"non-finite training loss at epoch {epoch + 1}; lower --base-lr")
         every_steps = cfg.checkpoint_every_steps
         done = (epoch + 1) * steps_per_epoch
+        log.epoch(done, metrics)
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs or (every_steps and done % every_steps == 0):
             checkpoint = save_checkpoint(cfg, trainer, run, epoch, 0, loss_sum)
         print(
@@ -375,6 +384,7 @@ def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: flo
             flush=True,
         )
         maybe_kill_stage(cfg.inject_fault, trainer, str(epoch + 1))
+    log.close()
     return {
         "val_accuracy": metrics.get("val_accuracy"),
         "val_loss": metrics.get("val_loss"),

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from helpers import load_model_pt, make_image_folder, max_abs_diff, run_cli_json, write_digits_cut
+from run_log_check import checked_run_log
 from raytrain_mp.models import build_model
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # fp64 and fp32 DDP runs
@@ -49,7 +50,8 @@ def fp64_runs(ray_session, fp64_data, storage, tmp_path_factory):
         "one": ["--num-workers", "1"],
         "two": ["--num-workers", "2"],
         "two_no_sync": ["--num-workers", "2", "--no-sync-bn"],
-        "two_crash": ["--num-workers", "2", "--max-failures", "1", "--inject-fault", f"1:1:{marker}"],
+        # with a loader process per worker, kept across the restart: the same model as "two"
+        "two_crash": ["--num-workers", "2", "--loader-workers", "1", "--max-failures", "1", "--inject-fault", f"1:1:{marker}"],
     }
     results = fp64_fits(storage, fp64_data, runs)
     results |= {"marker": marker, "data": fp64_data}
@@ -66,16 +68,13 @@ def fp64_fits(storage: str, data: str, runs: dict[str, list[str]]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def loader_runs(fp64_runs, storage, tmp_path_factory):
+def loader_runs(fp64_runs, storage):
     """Its own fixture: each fixture's fits must finish within one test's timeout on a busy machine."""
-    marker = tmp_path_factory.mktemp("fault") / "crashed"
     runs = {
         "one_loaders": ["--num-workers", "1", "--augment", "--loader-workers", "2"],
         "two_loaders": ["--num-workers", "2", "--augment", "--loader-workers", "1"],
-        "one_loaders_crash": ["--num-workers", "1", "--augment", "--loader-workers", "2", "--max-failures", "1",
-                              "--inject-fault", f"0:1:{marker}"],
-    }  # fmt: skip
-    return {**fp64_runs, **fp64_fits(storage, fp64_runs["data"], runs), "loader_marker": marker}
+    }
+    return {**fp64_runs, **fp64_fits(storage, fp64_runs["data"], runs)}
 
 
 def fit_on_a_larger_ray(storage: str, data: str, name: str, *extra: str) -> dict:
@@ -110,9 +109,6 @@ def test_loader_processes_and_augmentation_keep_both_invariances(loader_runs, st
     two_by_two = fit_on_a_larger_ray(storage, loader_runs["data"], "fp64-two-by-two", "--num-workers", "2", "--augment", "--loader-workers", "2")
     assert two_by_two["world_size"] == 2 and max_abs_diff(one, load_model_pt(two_by_two)) < 1e-9
     assert max_abs_diff(one, load_model_pt(loader_runs["one"])) > 1e-3  # augmentation did change the batches
-    assert loader_runs["loader_marker"].read_text() == "rank 0 crashed after epoch 1\n"
-    assert loader_runs["one_loaders_crash"]["epochs"] == 2
-    assert max_abs_diff(one, load_model_pt(loader_runs["one_loaders_crash"])) < 1e-9
 
 
 def test_an_encoded_image_folder_trains(tmp_path, storage):
@@ -146,7 +142,7 @@ def step_runs(fp64_runs, storage, tmp_path_factory):
     from helpers import run_cli_text
 
     marker, marker_fail = (tmp_path_factory.mktemp("fault") / "crashed" for _ in range(2))
-    every = ["--checkpoint-every-steps", "2"]
+    every = ["--checkpoint-every-steps", "2", "--log-every", "1"]
     data = fp64_runs["data"]
     runs = fp64_fits(storage, data, {"step_crash": ["--num-workers", "2", *every, "--max-failures", "1", "--inject-fault", f"1:s8:{marker}"]})
     failed = run_cli_text(*fp64_argv(data, storage, "fp64-step-crash-w1", "--num-workers", "2", *every, "--inject-fault", f"0:s8:{marker_fail}"))
@@ -161,6 +157,21 @@ def test_a_crash_mid_epoch_resumes_at_the_next_step_and_equals_the_uninterrupted
     assert max_abs_diff(load_model_pt(two), load_model_pt(crashed)) < 1e-9
     # the epoch's loss counts the 3 steps before the crash once, and not the step after the checkpoint twice
     assert crashed["train_loss"] == pytest.approx(two["train_loss"], rel=1e-9)
+
+
+def test_the_run_log_continues_at_the_checkpoint_without_duplicated_or_missing_steps(step_runs):
+    """Crashed after step 8 and resumed from the checkpoint after it (by Ray Train, or by a rerun of
+    the name with another world size), every step and epoch is logged once, in metrics.csv and in
+    the TensorBoard events; the epochs' numbers are the uninterrupted run's."""
+    resumed = json.loads(step_runs["resumed"][1].strip().splitlines()[-1])
+    two = checked_run_log(step_runs["two"]["run"], steps=10, epochs=2, steps_per_epoch=5, log_every=0)
+    for run in (step_runs["step_crash"], resumed):
+        rows = checked_run_log(run["run"], steps=10, epochs=2, steps_per_epoch=5)
+        epochs = [r for r in rows if r["kind"] == "epoch"]
+        for name in ("train_loss", "val_loss", "val_accuracy", "lr"):
+            assert [float(r[name]) for r in epochs] == pytest.approx([float(r[name]) for r in two], rel=1e-9)
+    crash_after_epoch = checked_run_log(step_runs["two_crash"]["run"], steps=10, epochs=2, steps_per_epoch=5, log_every=0)
+    assert crash_after_epoch[-1]["val_accuracy"] == repr(step_runs["two_crash"]["val_accuracy"])
 
 
 def test_a_crash_mid_epoch_resumes_with_another_world_size(step_runs, storage):

@@ -9,6 +9,9 @@ import torch
 
 from helpers import assert_usage_error, run_cli, run_cli_json, run_cli_text
 from raytrain_mp.models import build_model
+from raytrain_mp.run_log import read_rows
+from raytrain_mp.storage import locate
+from run_log_check import checked_run_log
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,7 @@ def fp64_runs(ray_session, tiny_data, tmp_path_factory):
     marker = tmp_path_factory.mktemp("pfault") / "killed"
     args = ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
             "--microbatches", "4", "--schedule", "1f1b", "--epochs", "2", "--precision", "fp64",
-            "--balance", "params", "--storage-path", storage, "--log-every", "0", "--augment", "--loader-workers", "1"]  # fmt: skip
+            "--balance", "params", "--storage-path", storage, "--log-every", "1", "--augment", "--loader-workers", "1"]  # fmt: skip
     plain = run_cli_json(*args, "--name", "plain")
     # Killed after global step 8 (step 3 of epoch 2), it resumes from the checkpoint after step 6;
     # 3 steps a Ray call: it must still equal the plain run, step by step.
@@ -105,6 +108,19 @@ def test_killed_stage_resumes_mid_epoch_from_checkpoint(fp64_runs):
     b = torch.load(killed["model"], weights_only=True)
     assert a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a if a[k].numel()) < 1e-9
+
+
+@pytest.mark.slow  # the fp64 runs
+def test_the_killed_run_logs_every_step_once_with_the_plain_runs_numbers(fp64_runs):
+    """Its log continues from the checkpoint after step 6: steps 7 and 8, logged before the kill,
+    are neither missing nor twice in metrics.csv and the TensorBoard events (``checked_run_log``)."""
+    plain, killed, _ = fp64_runs
+    plain_rows, killed_rows = (checked_run_log(run["run"], steps=10, epochs=2, steps_per_epoch=5) for run in (plain, killed))
+    for a, b in zip(plain_rows, killed_rows, strict=True):
+        assert (a["kind"], a["global_step"], a["lr"]) == (b["kind"], b["global_step"], b["lr"])
+        assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), rel=1e-9)
+        assert 0 <= float(b["bubble_fraction"]) < 1
+    assert [r["val_accuracy"] for r in plain_rows if r["kind"] == "epoch"][-1] == repr(plain["val_accuracy"])
 
 
 @pytest.mark.slow  # the fp64 runs
@@ -166,6 +182,8 @@ def test_resume_keeps_the_saved_split_and_refuses_another(fp64_runs, tiny_data, 
     # the checkpoint's cut instead.
     resumed = run_cli_json(*base, "--balance", "time", "--balance-trials", "1")
     assert resumed["epochs"] == 3
+    rows = read_rows(locate(resumed["run"], "run"))  # the copied run's log, continued by epoch 3 (no step rows: --log-every 0)
+    assert [(r["kind"], r["global_step"]) for r in rows][-3:] == [("step", "10"), ("epoch", "10"), ("epoch", "15")]
     assert [stage["blocks"] for stage in resumed["stages"]] == [stage["blocks"] for stage in plain["stages"]]
 
 

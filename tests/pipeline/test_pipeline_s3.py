@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import run_cli_json
+from run_log_check import checked_run_log
 from raytrain_mp.checkpointing import load_checkpoint
 from raytrain_mp.models import build_model
 from raytrain_mp.storage import join, latest_complete, locate
@@ -46,4 +47,5 @@ def test_pipeline_checkpoints_and_resumes_in_a_bucket(bucket, tmp_path, monkeypa
     state, train_state = load_checkpoint(run.child("checkpoint_000003"))
     assert train_state["epoch"] == 2 and all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
     assert [f.uri for f in run.folders("checkpoint_")] == [run.child(f"checkpoint_00000{i}").uri for i in (2, 3)]
+    checked_run_log(run.uri, steps=15, epochs=3, steps_per_epoch=5, log_every=0)  # metrics.csv, events, curves in the bucket
     assert sorted(p.name for p in tmp_path.iterdir()) == ["killed"]  # nothing named "s3:" here

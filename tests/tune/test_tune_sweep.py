@@ -26,6 +26,9 @@ from raytrain_mp.cli import main
 from raytrain_mp.config import build_config
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.lr_schedule import scaled_lr
+from raytrain_mp.run_log import CURVES_FILE, read_rows
+from raytrain_mp.storage import locate
+from run_log_check import csv_as_events, read_events
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # real sweeps
 
@@ -150,6 +153,19 @@ def test_sweep_table(sweep):
     assert sum(sweep["resumed"]["trials_by_status"].values()) == 6
     csv_lines = Path(sweep["resumed"]["table_csv"]).read_text().splitlines()
     assert len(csv_lines) == 7 and csv_lines[0].startswith('"trial","base_lr","global_batch_size"')
+
+
+def test_every_trial_logs_its_epochs_once(sweep):
+    """Each trial's Train run keeps its own metrics.csv and TensorBoard events (``--logdir`` the
+    experiment shows them side by side); a trial the interruption cut short continued its log on
+    resume. ASHA may stop a trial after it logged one more epoch than Tune counted."""
+    for row in sweep["rows"]:
+        run = locate(str(sweep["experiment"] / row["run"]), "run")
+        rows = read_rows(run)
+        epochs = [int(r["epoch"]) for r in rows if r["kind"] == "epoch"]
+        assert epochs == list(range(1, len(epochs) + 1)) and len(epochs) >= row["epochs_run"], (row["trial"], epochs)
+        assert read_events(run) == pytest.approx(csv_as_events(rows), rel=1e-6)
+        assert run.child(CURVES_FILE).is_file()  # drawn at every epoch end: Tune ends a trial before its loop does
 
 
 def test_sweep_plot_and_best_yaml(sweep, small_digits):
