@@ -184,25 +184,64 @@ class BenchPipelineConfig:
         return sorted(set(self.microbatches) | {1})
 
 
+DATA_LOADER_CASES = ("raw_32", "raw_224", "encoded_jpeg_224")
+DATA_PIPELINE_CASE = "pipeline_input_jpeg_224"
+DATA_CASES = (*DATA_LOADER_CASES, DATA_PIPELINE_CASE)
+
+
 @dataclasses.dataclass
 class BenchDataConfig:
     out: str = option("", "folder for results.json and the plots")
+    cases: tuple[str, ...] = option(
+        DATA_LOADER_CASES,
+        f"cases to measure, of {', '.join(DATA_CASES)}; the loader cases time DataLoaders alone, {DATA_PIPELINE_CASE} "
+        "the pipeline run loop on 224x224 JPEGs read by the driver (before) vs by stage 0's loader processes (after): "
+        "samples/s and the driver's CPU seconds per sample; it starts a local Ray of its own (unless this process is "
+        "connected to one) and 2 stage actors twice, so it runs only when named",
+        group="benchmark",
+    )  # fmt: skip
     num_images: int = option(512, "images per case, cut from scikit-learn's two sample photos")
     loader_batch_size: int = option(32, "samples per loader batch")
     loader_workers: tuple[int, ...] = option((1, 2), "loader process counts to measure")
     repeats: int = option(3, "timed passes over the images per figure (after one untimed pass)")
     seed: int = option(0, "seed of the image crops, the sample order and the augmentation")
+    pipeline_steps: int = option(
+        30, f"{DATA_PIPELINE_CASE}: timed train steps per pass (each pass is its own epoch; the case makes "
+        "more than --num-images images when one epoch would hold fewer steps)", group="benchmark",
+    )  # fmt: skip
+    pipeline_warmup: int = option(3, f"{DATA_PIPELINE_CASE}: untimed train steps before the timed passes", group="benchmark")
+    pipeline_batch_size: int = option(32, f"{DATA_PIPELINE_CASE}: samples per train step", group="benchmark")
+    pipeline_microbatches: int = option(4, f"{DATA_PIPELINE_CASE}: micro-batches per train step (m)", group="benchmark")
+    pipeline_loader_workers: int = option(
+        1, f"{DATA_PIPELINE_CASE}: loader processes of stage 0 after the change (its bundle reserves a CPU for each; 0 decodes in the stage actor)",
+        group="benchmark",
+    )  # fmt: skip
     json: bool = False
 
     def validate(self) -> None:
         check(bool(self.out), "out", "an output folder is required")
         check_local("out", self.out, "a local folder (results.json and PNG plots are written there atomically)")
         check_writable("out", self.out)
-        check(self.loader_batch_size >= 1, "loader_batch_size", f"must be >= 1, got {self.loader_batch_size}")
-        check(
-            self.num_images >= 2 * self.loader_batch_size,
-            "num_images",
-            f"must be at least twice --loader-batch-size {self.loader_batch_size}, got {self.num_images}",
-        )
-        check(len(self.loader_workers) >= 1 and min(self.loader_workers) >= 1, "loader_workers", f"each count must be >= 1, got {list(self.loader_workers)}")
+        check(len(self.cases) >= 1, "cases", f"give at least one of {', '.join(DATA_CASES)}")
+        unknown = [c for c in self.cases if c not in DATA_CASES]
+        check(not unknown, "cases", f"unknown case(s) {unknown}; accepted: {', '.join(DATA_CASES)}")
+        check(len(set(self.cases)) == len(self.cases), "cases", f"each case once, got {list(self.cases)}")
         check(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
+        check(self.num_images >= 20, "num_images", f"must be >= 20 (one val image in 20), got {self.num_images}")
+        if any(case in DATA_LOADER_CASES for case in self.cases):
+            check(self.loader_batch_size >= 1, "loader_batch_size", f"must be >= 1, got {self.loader_batch_size}")
+            check(
+                self.num_images >= 2 * self.loader_batch_size,
+                "num_images",
+                f"must be at least twice --loader-batch-size {self.loader_batch_size}, got {self.num_images}",
+            )
+            check(len(self.loader_workers) >= 1 and min(self.loader_workers) >= 1, "loader_workers", f"each count must be >= 1, got {list(self.loader_workers)}")
+        check(self.pipeline_steps >= 1, "pipeline_steps", f"must be >= 1, got {self.pipeline_steps}")
+        check(self.pipeline_warmup >= 0, "pipeline_warmup", f"must be >= 0, got {self.pipeline_warmup}")
+        check(self.pipeline_microbatches >= 1, "pipeline_microbatches", f"must be >= 1, got {self.pipeline_microbatches}")
+        check(
+            self.pipeline_batch_size >= 1 and self.pipeline_batch_size % self.pipeline_microbatches == 0,
+            "pipeline_batch_size",
+            f"must be a positive multiple of --pipeline-microbatches {self.pipeline_microbatches}, got {self.pipeline_batch_size}",
+        )
+        check(self.pipeline_loader_workers >= 0, "pipeline_loader_workers", f"must be >= 0, got {self.pipeline_loader_workers}")

@@ -3,6 +3,7 @@ positive and finite, the plots written. No timing is asserted: the machine is sh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,8 +16,9 @@ import pytest
 from helpers import assert_usage_error, run_cli, run_cli_json
 
 # Figures that may be zero: a share of idle time, a distance from a formula, or the bubble a
-# one-stage layout (the hybrid case's pure data parallel) has by the formula.
-MAY_BE_ZERO = ("bubble_fraction", "bubble_gap", "index", "bubble_formula", "bubble_for_stage_times", "niceness")
+# one-stage layout (the hybrid case's pure data parallel) has by the formula; the loss difference
+# of two runs that train on the same samples.
+MAY_BE_ZERO = ("bubble_fraction", "bubble_gap", "index", "bubble_formula", "bubble_for_stage_times", "niceness", "loss_difference")
 
 
 def figures(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -278,6 +280,52 @@ def test_bench_data_smoke(tmp_path):
     assert_figures_positive(results)
 
 
+@pytest.mark.slow
+def test_bench_data_pipeline_input_smoke(ray_session, tmp_path):
+    """The pipeline run loop fed by the driver (before) and by stage 0's loader (after), on the
+    session's Ray: same steps, same samples (equal losses), every figure and ratio there."""
+    out = tmp_path / "pipeline_input"
+    summary = run_cli_json("bench", "data", "--out", str(out), "--cases", "pipeline_input_jpeg_224", "--num-images", "24",
+                           "--pipeline-steps", "2", "--pipeline-warmup", "1", "--pipeline-batch-size", "8", "--repeats", "1")  # fmt: skip
+    results = json.loads((out / "results.json").read_text())
+    name = "pipeline_input_jpeg_224"
+    assert [Path(p).name for p in summary["plots"]] == [f"{name}_samples_per_second.png", f"{name}_driver_cpu_per_sample.png"]
+    assert all(Path(p).stat().st_size > 0 for p in summary["plots"])
+    assert_machine(results)
+    assert list(results["cases"]) == [name] and results["ratios"] == {"per_process": {}, "samples_per_cpu_second": {}}
+    case = results["cases"][name]
+    assert (case["image_size"], case["encoded"], case["batch_size"], case["microbatches"], case["loader_workers"]) == (224, True, 8, 4, 1)
+    assert case["images"] == 24 and case["train_images"] == 23
+    before, after = case["runs"]["driver_reads"], case["runs"]["stage_loaders"]
+    for run in (before, after):
+        assert (run["timed_steps"], run["timed_samples"], run["warmup_steps"]) == (2, 16, 1)
+        for figure in ("samples_per_second", "driver_cpu_seconds_per_sample", "driver_cores_busy", "wall_seconds"):
+            assert_spread(run[figure])
+    assert after["stage_reads"] == [24, 24]  # (1 + 2) steps of 8: the images on stage 0, the labels on stage 1
+    assert case["same_samples"]["steps_compared"] == 3 and case["same_samples"]["max_loss_difference"] < 1e-5
+    ratios = case["after_over_before"]
+    assert set(ratios) >= {"samples_per_second", "driver_cpu_seconds_per_sample"}
+    for figure, ratio in ratios.items():
+        assert ratio == pytest.approx(after[figure]["median"] / before[figure]["median"])
+    assert set(case["acceptance"]) == {"driver_cpu_per_sample_under_5_percent", "samples_per_second_not_lower"}
+    assert summary["pipeline_input_after_over_before"] == ratios
+    assert_figures_positive(results)
+
+
+def test_pipeline_input_case_makes_an_epoch_per_pass():
+    from raytrain_mp.bench.config import BenchDataConfig
+    from raytrain_mp.bench.data import pipeline_image_count
+
+    def train(count: int) -> int:
+        return count - int(round(count * 0.05))  # prepare's split, val_fraction 0.05
+
+    tiny = BenchDataConfig(out="o", num_images=24, pipeline_steps=2, pipeline_warmup=1, pipeline_batch_size=8)
+    assert pipeline_image_count(tiny) == 24  # 23 train images hold a pass of 16
+    assert pipeline_image_count(dataclasses.replace(tiny, pipeline_warmup=3)) == 25  # the warm-up's 24 need 25
+    count = pipeline_image_count(BenchDataConfig(out="o", num_images=512, pipeline_steps=30, pipeline_batch_size=32))
+    assert train(count) >= 30 * 32 > train(count - 1)
+
+
 def test_bench_bad_input(capsys, tmp_path):
     out = str(tmp_path / "x")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--split-points", "layer2,layer3"), "--split-points")
@@ -312,6 +360,11 @@ def test_bench_bad_input(capsys, tmp_path):
     assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--loader-workers", "0,1"), "--loader-workers: each count must be >= 1")
     assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--num-images", "40"), "--num-images: must be at least twice --loader-batch-size 32")
     assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--repeats", "0"), "--repeats: must be >= 1")
+    assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--cases", "raw_32,jpeg"), "--cases: unknown case(s) ['jpeg']")
+    assert_usage_error(
+        run_cli(capsys, "bench", "data", "--out", out, "--cases", "pipeline_input_jpeg_224", "--pipeline-batch-size", "6"),
+        "--pipeline-batch-size: must be a positive multiple of --pipeline-microbatches 4, got 6",
+    )  # fmt: skip
 
 
 def test_bench_refuses_gpus_that_are_not_there(capsys, tmp_path):
