@@ -31,11 +31,15 @@ def test_a_run_folder_resolves_to_its_newest_complete_checkpoint(run, tmp_path):
     assert resolve_checkpoint(run["checkpoint"]).uri == run["checkpoint"]
     copy = tmp_path / "copy"
     shutil.copytree(run["run"], copy)
-    shutil.copytree(copy / "checkpoint_000001", copy / "checkpoint_000001_step_000004")
+    # By (epoch, step): step 4 of epoch 1 came before epoch 1's end, step 4 of epoch 2 after it.
+    for name in ("checkpoint_000001_step_000004", "checkpoint_000002_step_000004"):
+        shutil.copytree(copy / "checkpoint_000001", copy / name)
     torn = copy / "checkpoint_000002"
     shutil.copytree(copy / "checkpoint_000001", torn)
     (torn / "model.pt").unlink()  # a checkpoint torn by a crash: skipped in a run folder
-    assert resolve_checkpoint(str(copy)).uri == str(copy / "checkpoint_000001_step_000004")
+    assert resolve_checkpoint(str(copy)).uri == str(copy / "checkpoint_000002_step_000004")
+    shutil.rmtree(copy / "checkpoint_000002_step_000004")
+    assert resolve_checkpoint(str(copy)).uri == str(copy / "checkpoint_000001")
     trained, model = load_run(str(copy))
     assert (trained.model_name, trained.meta.num_classes, trained.meta.channels) == ("resnet18", 10, 1)
     saved = torch.load(run["model"], weights_only=True)
