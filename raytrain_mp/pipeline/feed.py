@@ -160,10 +160,6 @@ class StageFeed:
             yield None, labels if self._labels else None
 
 
-def steps_per_epoch(data: StageData, meta: DatasetMeta) -> int:
-    return meta.counts["train"] // data.global_batch_size
-
-
 def val_chunks(count: int, batch_size: int, num_microbatches: int) -> list[int]:
     """How many micro-batches each val batch runs in: m, or fewer for a batch smaller than m."""
     return [min(num_microbatches, size) for size in val_batch_sizes(count, batch_size)]

@@ -37,11 +37,11 @@ def test_replica_shares_of_the_epoch_order_are_the_driver_fed_shares(replicas: i
     length, batch = 70, 16  # 4 full batches, 6 samples dropped
     for epoch in (0, 1):
         batches = epoch_batches(length, batch, SEED, epoch)
-        shares = [list(ShareSampler(length, batch, SEED, replicas, r)) for r in range(replicas)]
+        shares = []
         for r in range(replicas):
             sampler = ShareSampler(length, batch, SEED, replicas, r)
             sampler.set_epoch(epoch)
-            shares[r] = list(sampler)
+            shares.append(list(sampler))
             assert len(shares[r]) == len(sampler) == 4 * batch // replicas
         for step, indices in enumerate(batches):
             driver = replica_shares(indices, indices, replicas)
