@@ -49,6 +49,7 @@ from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import scalar
 
 from raytrain_mp.storage import Location
+from raytrain_mp.plots import png_bytes, pyplot
 
 METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
@@ -137,10 +138,7 @@ class RunLog:
 
 def plot_curves(rows: list[dict[str, str]]) -> bytes:
     """A PNG of train and val loss, val accuracy and lr against the global step."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on workers and CI
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     def series(kind: str, name: str) -> tuple[list[int], list[float]]:
         points = [(int(r["global_step"]), float(r[name])) for r in rows if r["kind"] == kind and r.get(name)]
@@ -160,8 +158,4 @@ def plot_curves(rows: list[dict[str, str]]) -> bytes:
     lr.set_xlabel("global step")
     for ax in (loss, accuracy, lr):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = io.BytesIO()
-    fig.savefig(out, format="png", dpi=100)
-    plt.close(fig)
-    return out.getvalue()
+    return png_bytes(fig)

@@ -33,6 +33,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from raytrain_mp.plots import pyplot
+
 T = TypeVar("T")
 
 
@@ -129,16 +131,6 @@ def in_fresh_process(fn: Callable[..., T], *args: Any) -> T:
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
-
-
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend (files only, no display)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _medians_and_whiskers(figures: Sequence[dict[str, float]]) -> tuple[list[float], list[list[float]]]:

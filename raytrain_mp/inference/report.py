@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from raytrain_mp.plots import png_bytes, pyplot
+
 EVAL_FILE = "eval.json"
 CONFUSION_FILE = "confusion.png"
 PREDICTIONS_FILE = "predictions.csv"
@@ -35,11 +37,7 @@ def per_class_accuracy(confusion: np.ndarray, names: list[str]) -> dict[str, flo
 
 
 def confusion_png(confusion: np.ndarray, names: list[str], title: str) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     k = len(names)
     side = min(4 + 0.45 * k, 30)
     fig, ax = plt.subplots(figsize=(side, side))
@@ -56,11 +54,7 @@ def confusion_png(confusion: np.ndarray, names: list[str], title: str) -> bytes:
                 ax.text(j, i, str(int(confusion[i, j])), ha="center", va="center", fontsize=8,
                         color="white" if confusion[i, j] > peak / 2 else "black")  # fmt: skip
     fig.colorbar(image, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    return buffer.getvalue()
+    return png_bytes(fig)
 
 
 def write_eval_outputs(cfg, run, metrics: dict, names: list[str], labels: np.ndarray, ids: np.ndarray) -> dict:

@@ -32,6 +32,7 @@ import yaml
 
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.lr_schedule import scaled_lr
+from raytrain_mp.plots import png_bytes, pyplot
 from raytrain_mp.storage import locate
 from raytrain_mp.tune.config import PER_TRIAL, trial_config
 
@@ -168,11 +169,7 @@ def write_outputs(rows: Sequence[dict[str, Any]], given: DDPConfig, metric: str,
 def plot_png(rows: Sequence[dict[str, Any]], subtitle: str) -> bytes:
     """Final val accuracy vs base lr (log x), one curve per global batch size (and optimizer,
     warmup when they vary); each curve's peak is starred, early-stopped trials are hollow."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on workers and CI
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     varying = [key for key in ("optimizer", "warmup_epochs") if len({r[key] for r in rows}) > 1]
     curves: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
@@ -199,11 +196,7 @@ def plot_png(rows: Sequence[dict[str, Any]], subtitle: str) -> bytes:
     ax.grid(True, which="both", alpha=0.3)
     if curves:
         ax.legend()
-    buffer = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    return buffer.getvalue()
+    return png_bytes(fig, dpi=110)
 
 
 def write_file(folder: str, name: str, data: bytes) -> str:
