@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import partial
 
@@ -105,7 +106,7 @@ class StageFeed:
         images: bool, labels: bool,
     ) -> None:  # fmt: skip
         meta = read_meta(data.root)
-        self.data, self.device = data, device
+        self.data = data
         self.share = data.global_batch_size // num_replicas
         self.start = replica * self.share
         train = ParquetImageDataset(data.root, "train", augment=data.augment, seed=data.seed, meta=meta)
@@ -149,15 +150,13 @@ class StageFeed:
 
     def val_batches(self):
         """Each val batch in order: (model inputs or None, labels or None)."""
-        if self._images:
-            for start, (images, _, params) in zip(range(0, len(self._val_labels), self.data.val_batch), self._val_loader):
-                self.reads += len(images)
-                yield self._to_val_input(images, params), self._val_labels[start : start + len(images)] if self._labels else None
-            return
-        for start in range(0, len(self._val_labels), self.data.val_batch):
-            labels = self._val_labels[start : start + self.data.val_batch]
-            self.reads += len(labels) * self._labels
-            yield None, labels if self._labels else None
+        batches = self._val_loader if self._images else itertools.repeat(None)
+        start = 0
+        for size, batch in zip(val_batch_sizes(len(self._val_labels), self.data.val_batch), batches):
+            self.reads += size
+            inputs = self._to_val_input(batch[0], batch[2]) if self._images else None
+            yield inputs, self._val_labels[start : start + size] if self._labels else None
+            start += size
 
 
 def val_chunks(count: int, batch_size: int, num_microbatches: int) -> list[int]:
