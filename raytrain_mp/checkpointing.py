@@ -13,7 +13,11 @@ finished, so a rerun of a finished run prints it without starting Ray.
 
 Invariant: a folder is written completely into a fresh temporary directory before anyone (Ray's
 persistence layer, a rename) publishes it, so a crash never leaves a half-written checkpoint;
-``result.json`` is replaced atomically too.
+``result.json`` is replaced atomically too. A checkpoint is published (``is_published``) when its
+three files are there and: in a run Ray Train kept (ddp, a sweep's trial), it is listed in the run's
+``checkpoint_manager_snapshot.json`` (Ray records a checkpoint only after its upload, which is no
+rename, also locally); in a pipeline run, it is local (renamed into place) or has the ``.complete``
+marker it is uploaded with last.
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from raytrain_mp.storage import Location, download_folder
+from raytrain_mp.storage import COMPLETE_MARKER, Location, download_folder
 
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
 CONFIG_FILE = "config.yaml"
 RESULT_FILE = "result.json"
 CHECKPOINT_PREFIX = "checkpoint_"
+CHECKPOINT_FILES = (MODEL_FILE, CONFIG_FILE, STATE_FILE)
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's registered checkpoints
 
 
 def checkpoint_name(epoch: int, step: int = 0) -> str:
@@ -118,3 +124,36 @@ def load_checkpoint(folder: Location) -> tuple[dict, dict]:
     """``read_checkpoint`` of a checkpoint folder anywhere (an object store's is downloaded first)."""
     with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as tmp:
         return read_checkpoint(download_folder(folder, Path(tmp) / "checkpoint"))
+
+
+def missing_files(folder: Location) -> list[str]:
+    """The checkpoint files ``folder`` lacks."""
+    return [name for name in CHECKPOINT_FILES if not folder.child(name).is_file()]
+
+
+def ray_registered(run: Location) -> set[str] | None:
+    """Names of the checkpoints Ray Train registered in ``run``; None when it kept no record there."""
+    snapshot = run.child(RAY_SNAPSHOT)
+    if not snapshot.is_file():
+        return None
+    try:
+        data = json.loads(snapshot.read_bytes())
+        return {r["checkpoint_dir_name"] for r in data.get("checkpoint_results", [])}
+    except (ValueError, KeyError, TypeError):
+        return set()
+
+
+def is_published(folder: Location, registered: set[str] | None) -> bool:
+    """A complete checkpoint folder (see the module docstring); ``registered``: ``ray_registered`` of its run."""
+    if missing_files(folder):
+        return False
+    if registered is not None:
+        return folder.path.rstrip("/").rsplit("/", 1)[-1] in registered
+    return folder.is_local or folder.child(COMPLETE_MARKER).is_file()
+
+
+def published_checkpoints(run: Location) -> tuple[list[Location], list[Location]]:
+    """(every ``checkpoint_*`` folder of ``run``, the published ones), oldest first (``checkpoint_order``)."""
+    candidates = run.folders(CHECKPOINT_PREFIX, checkpoint_order)
+    registered = ray_registered(run)
+    return candidates, [folder for folder in candidates if is_published(folder, registered)]

@@ -1,7 +1,8 @@
 """The ``raytrain-mp`` command line: parse, validate into a config dataclass, then run.
 
 Invariants: every bad input ends as one line ``raytrain-mp: error: ...`` on stderr and exit code 2
-(argparse's own errors included), raised before Ray starts or any output is written; with
+(argparse's own errors included), raised before Ray starts or any output is written; Ctrl-C or
+SIGTERM ends a command with one line on stderr and exit code 130 or 143 (``interruption``); with
 ``--json`` the last line of stdout is one JSON object describing the result, at full precision;
 without it the result prints as ``key: value`` lines whose floats have 4 significant digits.
 """
@@ -21,6 +22,7 @@ from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.pipeline.config import PipelineConfig
 from raytrain_mp.errors import EXIT_USAGE, UsageError
 from raytrain_mp.inference.config import EvalConfig, ExportConfig, PredictConfig
+from raytrain_mp.interruption import Interrupted, signals_interrupt
 from raytrain_mp.tune.config import TuneConfig
 
 PROG = "raytrain-mp"
@@ -87,12 +89,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_on_ray(cfg, run, as_json: bool, title: str) -> dict:
+def run_on_ray(cfg, run, as_json: bool, title: str, quiet: bool = False) -> dict:
     """Join (or start) Ray for ``cfg.address``, run, and print the result; Ray starts only now,
     after the config and its data passed every check."""
     from raytrain_mp.cluster import ray_connection
 
-    with ray_connection(cfg.address, cfg.verbose):
+    with ray_connection(cfg.address, cfg.verbose, quiet):
         result = run(cfg)
     emit(result, as_json, title)
     return result
@@ -117,7 +119,7 @@ def cmd_ddp(args: argparse.Namespace) -> int:
 
     cfg = with_checked_data(build_config(DDPConfig, args))
     if not finished_already(cfg, "ddp", args.json):
-        run_on_ray(cfg, run_ddp, args.json, "ddp training finished")
+        run_on_ray(cfg, run_ddp, args.json, "ddp training finished", cfg.quiet)
     return 0
 
 
@@ -126,7 +128,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
 
     cfg = with_checked_inputs(build_config(PipelineConfig, args))
     if not finished_already(cfg, "pipeline", args.json):
-        run_on_ray(cfg, run_pipeline, args.json, "pipeline training finished")
+        run_on_ray(cfg, run_pipeline, args.json, "pipeline training finished", cfg.quiet)
     return 0
 
 
@@ -240,10 +242,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key in ("command", "data_command"):
         vars(args).pop(key, None)
     try:
-        return handler(args)
+        with signals_interrupt():
+            return handler(args)
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Interrupted as exc:  # the command has unwound: its workers and a Ray it started are stopped
+        print(f"{PROG}: {exc.line()}", file=sys.stderr, flush=True)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

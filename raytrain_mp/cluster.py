@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import ray
 
 from raytrain_mp.errors import UsageError
+from raytrain_mp.interruption import rearm
 
 # (logger, message start) of notices that say nothing a user must act on here: a locally started
 # Ray enables token authentication by itself and says so at WARNING on every start.
@@ -48,8 +49,9 @@ def environment(updates: Mapping[str, str]) -> Iterator[None]:
 
 
 @contextmanager
-def ray_connection(address: str | None, verbose: bool = False) -> Iterator[bool]:
-    """Yield True when this call started (and will stop) a local Ray instance."""
+def ray_connection(address: str | None, verbose: bool = False, quiet: bool = False) -> Iterator[bool]:
+    """Yield True when this call started (and will stop, also on an exception) a local Ray
+    instance; ``quiet``: without the line that says so."""
     if ray.is_initialized():
         yield False
         return
@@ -82,7 +84,9 @@ def ray_connection(address: str | None, verbose: bool = False) -> Iterator[bool]
         port = free_port()
         with environment({"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}):
             ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_port=port, **logs)
-        print(f"local Ray started; dashboard at http://127.0.0.1:{port}", flush=True)
+        if not quiet:
+            print(f"local Ray started; dashboard at http://127.0.0.1:{port}", flush=True)
+    rearm()  # Ctrl-C and SIGTERM stay ``interruption``'s to handle
     try:
         yield not address
     finally:

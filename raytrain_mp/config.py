@@ -60,7 +60,7 @@ FIELD_GROUPS = {
     **dict.fromkeys(("base_lrs", "lr_min", "lr_max", "global_batch_sizes", "optimizers", "warmup_epochs_grid",
                      "scheduler", "metric", "grace_period", "reduction_factor", "max_concurrent_trials"), "sweep"),
     **dict.fromkeys(("steps", "warmup", "resnet_rounds", "repeats", "hybrid", "hybrid_workers", "hybrid_microbatches"), "benchmark"),
-    **dict.fromkeys(("out", "log_every", "verbose", "inject_fault", "hold_at_step"), "output"),
+    **dict.fromkeys(("out", "log_every", "verbose", "quiet", "inject_fault", "hold_at_step"), "output"),
 }  # fmt: skip
 
 
@@ -329,6 +329,7 @@ class TrainOptions:
     resume_from: str | None = option(None, "checkpoint folder (holding model.pt) to resume from")
     log_every: int = option(50, "progress line every this many steps within an epoch (0: off)")
     verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
+    quiet: bool = option(False, "print only the summary: no progress or epoch lines (errors and warnings still print)")
     inject_fault: str | None = option(None, "testing: INDEX:EPOCH:MARKER fails worker/stage INDEX once after EPOCH", hidden=True)
     json: bool = False
     FAULTS_AT_STEPS = False  # --inject-fault takes only epochs; a command whose loop can fail after a step says so
@@ -349,6 +350,7 @@ class TrainOptions:
         check(self.num_to_keep >= 1, "num_to_keep", f"must be >= 1, got {self.num_to_keep}")
         check(self.max_failures >= -1, "max_failures", f"must be >= 0 (or -1: unlimited), got {self.max_failures}")
         check(self.log_every >= 0, "log_every", f"must be >= 0, got {self.log_every}")
+        check(not (self.quiet and self.verbose), "quiet", "contradicts --verbose; accepted: one of them")
         check_writable("storage_path", self.storage_path)
         if self.weights is not None:
             check_local("weights", self.weights, "a local model.pt (copy it from the store first)")

@@ -1,7 +1,9 @@
 """Shared fixtures: one real local Ray instance per test session, started only by tests that ask.
 
 The inner loop is ``pytest -m "not slow"`` (a few minutes); tests marked ``slow`` are the
-end-to-end runs of a minute or more, and CI runs everything. Tests mirror the package's layout:
+end-to-end runs of a minute or more, and CI runs everything, on two pytest-xdist workers (each
+with its own session Ray; the tests start their commands' Rays, clusters and servers on free
+ports, so two run side by side). Tests mirror the package's layout:
 ``tests/ddp``, ``tests/pipeline``, ``tests/tune``, ``tests/bench``, ``tests/data``, and the shared
 layer and whole-project checks at the top.
 
@@ -66,8 +68,15 @@ def bucket(s3_endpoint, request) -> str:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Skip ``gpu(n)`` tests where fewer than n CUDA devices exist, saying how many there are."""
+    """Skip ``gpu(n)`` tests where fewer than n CUDA devices exist, saying how many there are; run
+    the files with the most slow tests first. The suite runs on two workers, each file whole on
+    one (``--dist loadfile``); the longest file begun last would run on alone at the end."""
+    from collections import Counter
+
     import torch
+
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests keep their order
 
     have = torch.cuda.device_count()
     for item in items:

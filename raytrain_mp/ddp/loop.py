@@ -22,6 +22,8 @@ report). Invariants that make the trained model independent of the number of wor
 - Rank 0 keeps the run's log (``run_log``: ``metrics.csv``, TensorBoard events, ``curves.png``) in
   the run folder and publishes it before each checkpoint it writes, so a resume continues it at the
   checkpoint's global step. Its step rows carry rank 0's running loss, as the progress line does.
+- Rank 0's lines (the start, progress with the ETA, each epoch's summary) go to the terminal of
+  the command that started the run (``watch``), or to its own output in a Tune trial.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.storage import join, locate, name_of
 from raytrain_mp.models import build_model
 from raytrain_mp.optim import build_optimizer
+from raytrain_mp.progress import Progress
 from raytrain_mp.run_log import RunLog
+from raytrain_mp.ddp.watch import rank_zero_console
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -164,14 +168,16 @@ def train_loop_per_worker(config: dict) -> None:
         start_epoch, skip = resume_position(train_state["epoch"], train_state.get("step", 0), steps_per_epoch)
         history = train_state.get("world_size_history", [])
         carried = train_state.get("epoch_loss", carried) if skip else carried
-        if rank == 0:
-            print(f"resumed from {resume_dir} at epoch {start_epoch + 1}" + (f" step {skip + 1}" if skip else ""), flush=True)
     start_step = start_epoch * steps_per_epoch + skip
     history = [*history, [start_step, world]]
+    out = rank_zero_console(cfg.name, cfg.quiet) if rank == 0 else None
     if rank == 0:
-        print(f"{world} worker{'s' * (world > 1)} on {num_nodes} node{'s' * (num_nodes > 1)} from step {start_step}", flush=True)
+        if resume_dir is not None:
+            out.say(f"resumed from {resume_dir} at epoch {start_epoch + 1}" + (f" step {skip + 1}" if skip else ""))
+        out.say(f"{world} worker{'s' * (world > 1)} on {num_nodes} node{'s' * (num_nodes > 1)} from step {start_step}")
     run = locate(cfg.storage_path, "--storage-path").child(cfg.name)
     log = RunLog(run, start_step, cfg.global_batch_size) if rank == 0 else None  # metrics.csv, TensorBoard, curves.png
+    progress = Progress(cfg.epochs, steps_per_epoch, cfg.global_batch_size, start_step, cfg.log_every)
 
     def make_checkpoint(last_epoch: int, steps_done: int, epoch_loss: tuple[float, float]) -> ray.train.Checkpoint | None:
         """Rank 0's checkpoint after ``steps_done`` steps of the epoch after ``last_epoch``; None elsewhere."""
@@ -196,6 +202,7 @@ def train_loop_per_worker(config: dict) -> None:
         sampler.set_epoch(epoch, skip=items_to_skip(first, cfg.global_batch_size, world))
         ddp.train()
         started = time.perf_counter()
+        progress.start_epoch()
         batches = iter(train_loader)
         # Rank 0 carries the resumed part of the epoch's loss: the epoch's all-reduced sums count it once.
         loss_sum, samples = carried if (first and rank == 0) else (0.0, 0.0)
@@ -220,8 +227,10 @@ def train_loop_per_worker(config: dict) -> None:
             optimizer.zero_grad(set_to_none=True)
             step_lr = optimizer.param_groups[0]["lr"]  # the lr this step trained with, before the schedule moves on
             scheduler.step()
-            if rank == 0 and cfg.log_every and (step + 1) % cfg.log_every == 0:
-                print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} loss {loss_sum / samples:.4f}", flush=True)
+            due = progress.step(global_step + 1)
+            if rank == 0 and due:
+                out.progress(progress.line(loss_sum / samples), due, progress.at)
+            if rank == 0 and due == "log":
                 log.step(global_step + 1, epoch + 1, loss_sum / samples, step_lr)
             if every_steps and (global_step + 1) % every_steps == 0 and step + 1 < steps_per_epoch:
                 epoch_loss = all_reduce_sum([loss_sum, samples], device)
@@ -251,11 +260,10 @@ def train_loop_per_worker(config: dict) -> None:
         metrics |= {"global_step": done, "world_size_history": history}
         due = (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs or (every_steps and done % every_steps == 0)
         if rank == 0:
-            print(
+            out.say(
                 f"epoch {epoch + 1}/{cfg.epochs} train_loss {metrics['train_loss']:.4f} "
                 f"val_loss {metrics['val_loss']:.4f} val_accuracy {metrics['val_accuracy']:.4f} "
-                f"samples/s {metrics['samples_per_second']:.1f} lr {metrics['lr']:.5f}",
-                flush=True,
+                f"samples/s {metrics['samples_per_second']:.1f} lr {metrics['lr']:.5f}"
             )
             log.epoch(done, metrics)
         ray.train.report(

@@ -29,6 +29,9 @@ from raytrain_mp.errors import UsageError
 from raytrain_mp.models import check_model
 from raytrain_mp.storage import check_reachable, join, locate, name_of
 from raytrain_mp.ddp.loop import train_loop_per_worker
+from raytrain_mp.ddp.watch import Watch
+from raytrain_mp.interruption import Interrupted
+from raytrain_mp.progress import Console
 
 
 def with_checked_data(cfg: DDPConfig) -> DDPConfig:
@@ -114,11 +117,19 @@ def summarize(result, cfg: DDPConfig) -> dict:
 
 
 def run_ddp(cfg: DDPConfig) -> dict:
-    """Fit on the connected Ray cluster and return the summary; raises on a failed run.
+    """Fit on the connected Ray cluster, showing rank 0's lines here (``watch``), and return the
+    summary; raises on a failed run, ``Interrupted`` (with where the run stands) on a signal.
 
     ``cfg`` must have passed ``with_checked_data``."""
     cfg = with_cluster_settings(cfg)
-    with environment(controller_env(cfg)):
-        summary = summarize(build_trainer(cfg).fit(), cfg)
-    write_result(locate(cfg.storage_path, "--storage-path").child(cfg.name), summary)
+    run = locate(cfg.storage_path, "--storage-path").child(cfg.name)
+    watch = Watch(cfg.name, Console(quiet=cfg.quiet))
+    try:
+        with environment(controller_env(cfg)):
+            summary = summarize(watch.fit(build_trainer(cfg).fit), cfg)
+    except Interrupted as exc:
+        watch.console.end_line()
+        exc.at, exc.run = watch.position, run
+        raise
+    write_result(run, summary)
     return summary

@@ -12,11 +12,9 @@ Invariants:
   image size, class names, mean/std), with ``models.build_model``, so the user names nothing else;
   a ``package.module:callable`` model is rebuilt by calling it again. ``model.pt`` loads with
   ``strict=True``.
-- A checkpoint is complete when its three files are there and, on an object store (no rename),
-  it is published: the pipeline's ``.complete`` marker, or listed in Ray Train's
-  ``checkpoint_manager_snapshot.json`` of its run (Ray records a ddp checkpoint only after its
-  upload). A run folder's torn checkpoints are skipped; a torn checkpoint named directly, or one
-  whose ``model.pt`` does not load into the rebuilt model, is one ``UsageError`` line.
+- A run folder stands for its newest published checkpoint (``checkpointing.is_published``); its
+  torn checkpoints are skipped. A torn checkpoint named directly, or one whose ``model.pt`` does
+  not load into the rebuilt model, is one ``UsageError`` line.
 - Everything here runs before Ray starts and writes nothing.
 """
 
@@ -24,44 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 from typing import Any
 
 import yaml
 
-from raytrain_mp.checkpointing import CHECKPOINT_PREFIX, CONFIG_FILE, MODEL_FILE, STATE_FILE, checkpoint_order
+from raytrain_mp.checkpointing import CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, missing_files, published_checkpoints
 from raytrain_mp.data.format import DatasetMeta, read_meta
 from raytrain_mp.errors import UsageError
 from raytrain_mp.storage import COMPLETE_MARKER, Location, locate
 from raytrain_mp.tune.config import SWEEP_FILE, metric_mode
 
 OPTION = "--checkpoint"
-RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's registered checkpoints
-FILES = (MODEL_FILE, CONFIG_FILE, STATE_FILE)
 ACCEPTED = "accepted: a run folder or a checkpoint folder written by raytrain-mp ddp, pipeline or tune, or a URI of either"
-
-
-def _missing(folder: Location) -> list[str]:
-    return [name for name in FILES if not folder.child(name).is_file()]
-
-
-def _ray_registered(run: Location) -> set[str]:
-    """Names of the checkpoints Ray Train registered in ``run`` (empty when it kept no record)."""
-    snapshot = run.child(RAY_SNAPSHOT)
-    if not snapshot.is_file():
-        return set()
-    try:
-        data = json.loads(snapshot.read_bytes())
-        return {r["checkpoint_dir_name"] for r in data.get("checkpoint_results", [])}
-    except (ValueError, KeyError, TypeError):
-        return set()
-
-
-def is_published(folder: Location, registered: set[str]) -> bool:
-    """A complete checkpoint folder (see the module docstring)."""
-    if _missing(folder):
-        return False
-    return folder.is_local or folder.child(COMPLETE_MARKER).is_file() or folder.path.rstrip("/").rsplit("/", 1)[-1] in registered
 
 
 def resolve_checkpoint(spec: str) -> Location:
@@ -71,20 +43,18 @@ def resolve_checkpoint(spec: str) -> Location:
         raise UsageError(f"{OPTION}: no such folder {spec}; {ACCEPTED}")
     if folder.is_file():
         raise UsageError(f"{OPTION}: {spec} is a file; {ACCEPTED} (the folder that holds model.pt)")
-    if any(folder.child(name).is_file() for name in FILES):  # a checkpoint folder itself
-        missing = _missing(folder)
+    if any(folder.child(name).is_file() for name in CHECKPOINT_FILES):  # a checkpoint folder itself
+        missing = missing_files(folder)
         if missing:
             raise UsageError(f"{OPTION}: {spec} is a torn checkpoint (no {', '.join(missing)}); use another checkpoint of the run, or the run folder")
         return folder
     if folder.child(SWEEP_FILE).is_file():
         folder, spec = _best_trial_run(folder, spec)
-    candidates = folder.folders(CHECKPOINT_PREFIX, checkpoint_order)
-    registered = _ray_registered(folder) if not folder.is_local else set()
-    complete = [c for c in candidates if is_published(c, registered)]
+    candidates, complete = published_checkpoints(folder)
     if complete:
         return complete[-1]
     if candidates:
-        raise UsageError(f"{OPTION}: {spec} holds {len(candidates)} checkpoint folder(s), none complete (torn: no {', '.join(_missing(candidates[-1])) or COMPLETE_MARKER})")
+        raise UsageError(f"{OPTION}: {spec} holds {len(candidates)} checkpoint folder(s), none complete (torn: no {', '.join(missing_files(candidates[-1])) or COMPLETE_MARKER})")
     raise UsageError(f"{OPTION}: {spec} holds no checkpoint; {ACCEPTED}")
 
 

@@ -33,6 +33,8 @@ Invariants:
   before Ray starts (the checkpoint's optimizer states say how many stage actors trained it).
 - A rerun of a finished run (``result.json`` beside the checkpoints) prints its summary and starts
   nothing (``cli``).
+- The driver shows the progress with the ETA and each epoch's line (``progress``); on Ctrl-C or
+  SIGTERM it stops the stage actors and says where the run stands (``interruption``).
 - The driver keeps the run's log (``run_log``: ``metrics.csv``, TensorBoard events, ``curves.png``)
   in the run folder, published before every checkpoint; each attempt (a restart, a rerun)
   continues it from the global step it resumes at.
@@ -67,6 +69,8 @@ from raytrain_mp.pipeline.config import PipelineConfig, as_flag_error
 from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import UsageError
+from raytrain_mp.interruption import Interrupted
+from raytrain_mp.progress import Console, Progress
 from raytrain_mp.storage import Location, check_reachable, delete_folder, is_complete, latest_complete, locate, publish_folder
 from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.models import build_model, check_model
@@ -224,63 +228,71 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     )  # fmt: skip
     run = run_location(cfg)
     sample = profile_batch(model, meta, cfg.global_batch_size)  # what time balancing profiles
+    console = Console(quiet=cfg.quiet)
 
     failures = 0
-    while True:
-        # A rerun of the same name, or a restart after a stage failure, continues from the newest checkpoint.
-        resume = resume_point(cfg)
-        position, carried, optimizer_states = (0, 0), 0.0, None
-        if resume is not None:
-            model_state, train_state = load_checkpoint(resume)
-            model.load_state_dict(model_state, strict=True)
-            optimizer_states = train_state["optimizer"]
-            set_rng_states(train_state["rng"])
-            position = resume_position(train_state["epoch"], train_state.get("step", 0), steps_per_epoch)
-            carried = train_state.get("epoch_loss", 0.0) if position[1] else 0.0
-            at = f" step {position[1] + 1}" if position[1] else ""
-            print(f"resuming from {resume.uri} at epoch {position[0] + 1}{at}", flush=True)
-        steps_done = position[0] * steps_per_epoch + position[1]
-        try:
-            trainer = make_trainer(cfg, model, schedule(steps_done), sample, data)
-        except UsageError as exc:
-            raise as_flag_error(exc) from None
-        # Restarts keep this cut, also when they come before the first checkpoint; it is settled, so no more trials.
-        cfg = dataclasses.replace(cfg, split_points=[plan.blocks[0] for plan in trainer.plan[1:]], balance_trials=0)
-        try:
-            if optimizer_states is not None:
-                trainer.load_optimizer_state_dicts(optimizer_states)
-            trainer.steps_done = steps_done
-            print_placement(trainer)
-            summary = train_epochs(cfg, trainer, schedule, position, carried, run)
-            stages = [{**dataclasses.asdict(plan), "node_id": node} for plan, node in zip(trainer.plan, trainer.nodes)]
-            places = [replica_and_stage(index, trainer.num_stages) for index in range(len(trainer.nodes))]
-            actors = [{"replica": replica, "stage": stage, "node_id": node} for (replica, stage), node in zip(places, trainer.nodes)]
-            result = {**summary, "num_nodes": len(set(trainer.nodes)), "stages": stages, "actors": actors, "run": run.uri}
-            write_result(run, result)
-            return result
-        except StageFailedError as exc:
-            if failures >= cfg.max_failures:
-                raise
-            failures += 1
-            print(f"{exc}; restarting the stages from the last checkpoint ({failures}/{cfg.max_failures})", flush=True)
-        finally:
-            trainer.shutdown()
+    progress = None  # the attempt's, once it trains
+    try:
+        while True:
+            # A rerun of the same name, or a restart after a stage failure, continues from the newest checkpoint.
+            resume = resume_point(cfg)
+            position, carried, optimizer_states = (0, 0), 0.0, None
+            if resume is not None:
+                model_state, train_state = load_checkpoint(resume)
+                model.load_state_dict(model_state, strict=True)
+                optimizer_states = train_state["optimizer"]
+                set_rng_states(train_state["rng"])
+                position = resume_position(train_state["epoch"], train_state.get("step", 0), steps_per_epoch)
+                carried = train_state.get("epoch_loss", 0.0) if position[1] else 0.0
+                at = f" step {position[1] + 1}" if position[1] else ""
+                console.say(f"resuming from {resume.uri} at epoch {position[0] + 1}{at}")
+            steps_done = position[0] * steps_per_epoch + position[1]
+            try:
+                trainer = make_trainer(cfg, model, schedule(steps_done), sample, data)
+            except UsageError as exc:
+                raise as_flag_error(exc) from None
+            # Restarts keep this cut, also when they come before the first checkpoint; it is settled, so no more trials.
+            cfg = dataclasses.replace(cfg, split_points=[plan.blocks[0] for plan in trainer.plan[1:]], balance_trials=0)
+            try:
+                if optimizer_states is not None:
+                    trainer.load_optimizer_state_dicts(optimizer_states)
+                trainer.steps_done = steps_done
+                print_placement(trainer, console)
+                progress = Progress(cfg.epochs, steps_per_epoch, cfg.global_batch_size, steps_done, cfg.log_every)
+                summary = train_epochs(cfg, trainer, schedule, position, carried, run, progress, console)
+                stages = [{**dataclasses.asdict(plan), "node_id": node} for plan, node in zip(trainer.plan, trainer.nodes)]
+                places = [replica_and_stage(index, trainer.num_stages) for index in range(len(trainer.nodes))]
+                actors = [{"replica": replica, "stage": stage, "node_id": node} for (replica, stage), node in zip(places, trainer.nodes)]
+                result = {**summary, "num_nodes": len(set(trainer.nodes)), "stages": stages, "actors": actors, "run": run.uri}
+                write_result(run, result)
+                return result
+            except StageFailedError as exc:
+                if failures >= cfg.max_failures:
+                    raise
+                failures += 1
+                console.say(f"{exc}; restarting the stages from the last checkpoint ({failures}/{cfg.max_failures})")
+            finally:
+                trainer.shutdown()
+    except Interrupted as exc:
+        console.end_line()
+        exc.at, exc.run = progress.at if progress else None, run
+        raise
 
 
-def print_placement(trainer: PipelineTrainer) -> None:
+def print_placement(trainer: PipelineTrainer, console: Console) -> None:
     """The cuts tried (``--balance-trials``), the stages' cut, and the node each (replica, stage) actor landed on."""
     for trial in trainer.balance_trials:
-        print(f"balance trial: {describe_trial(trial)}", flush=True)
+        console.say(f"balance trial: {describe_trial(trial)}")
     if trainer.num_replicas == 1:
         for plan, node in zip(trainer.plan, trainer.nodes):
-            print(f"{describe(plan)} on node {node[:8]}", flush=True)
+            console.say(f"{describe(plan)} on node {node[:8]}")
         return
     for plan in trainer.plan:
-        print(describe(plan), flush=True)
+        console.say(describe(plan))
     for replica in range(trainer.num_replicas):
         nodes = trainer.nodes[replica * trainer.num_stages : (replica + 1) * trainer.num_stages]
         where = ", ".join(f"stage {stage} on node {node[:8]}" for stage, node in enumerate(nodes))
-        print(f"replica {replica}: {where}", flush=True)
+        console.say(f"replica {replica}: {where}")
 
 
 def describe(plan) -> str:
@@ -335,9 +347,10 @@ def describe_stage_times(metrics: dict) -> str:
     return f" (stage times {seconds} s/step" + (f", which predict bubble {predicted:.3f})" if predicted is not None else ")")
 
 
-def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: float, run: Location) -> dict:
+def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: float, run: Location, progress: Progress, console: Console) -> dict:
     """Epochs of training from ``position`` (epoch, step), the epoch's step losses so far summing
-    to ``carried``; checkpoints after every ``--checkpoint-every-steps`` segment and epoch."""
+    to ``carried``; checkpoints after every ``--checkpoint-every-steps`` segment and epoch; the
+    progress and each epoch's line on ``console``."""
     metrics: dict = {}
     checkpoint = latest_complete(run, CHECKPOINT_PREFIX, checkpoint_order)
     steps_per_epoch = trainer.steps_per_epoch
@@ -347,13 +360,16 @@ def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: flo
         first = start_step if epoch == start_epoch else 0
         loss_sum = carried if first else 0.0
         started = time.perf_counter()
+        progress.start_epoch()
         for segment in step_segments(first, steps_per_epoch, epoch, cfg.checkpoint_every_steps):
             steps = ((epoch, step, schedule(epoch * steps_per_epoch + step)) for step in segment)
             for step, loss in enumerate(trainer.train_data_steps(steps, steps_per_call=cfg.steps_per_call), start=segment.start):
                 loss_sum += loss
                 done = epoch * steps_per_epoch + step + 1
-                if cfg.log_every and (step + 1) % cfg.log_every == 0:
-                    print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} loss {loss_sum / (step + 1):.4f}", flush=True)
+                due = progress.step(done)
+                if due:
+                    console.progress(progress.line(loss_sum / (step + 1)), due)
+                if due == "log":
                     log.step(done, epoch + 1, loss_sum / (step + 1), schedule(done - 1), trainer.stats(reset=False)["bubble_fraction"])
                 maybe_kill_stage(cfg.inject_fault, trainer, f"s{done}")
             if segment.stop < steps_per_epoch:
@@ -377,11 +393,10 @@ def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: flo
         log.epoch(done, metrics)
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs or (every_steps and done % every_steps == 0):
             checkpoint = save_checkpoint(cfg, trainer, run, epoch, 0, loss_sum)
-        print(
+        console.say(
             f"epoch {epoch + 1}/{cfg.epochs} train_loss {metrics['train_loss']:.4f} val_loss {metrics['val_loss']:.4f} "
             f"val_accuracy {metrics['val_accuracy']:.4f} samples/s {metrics['samples_per_second']:.1f} "
-            f"bubble {metrics['bubble_fraction']:.3f}{describe_stage_times(metrics)} lr {metrics['lr']:.5f}",
-            flush=True,
+            f"bubble {metrics['bubble_fraction']:.3f}{describe_stage_times(metrics)} lr {metrics['lr']:.5f}"
         )
         maybe_kill_stage(cfg.inject_fault, trainer, str(epoch + 1))
     log.close()

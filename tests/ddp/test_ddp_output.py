@@ -18,7 +18,7 @@ OWN_LINES = [
     r"local Ray started; dashboard at http://127\.0\.0\.1:\d+",
     r"\d+ workers? on \d+ nodes? from step \d+",
     r"epoch \d+/\d+ train_loss \S+ val_loss \S+ val_accuracy \S+ samples/s \S+ lr \S+",
-    r"epoch \d+ step \d+/\d+ loss \S+",
+    r"epoch \d+/\d+ step \d+/\d+ loss \S+ samples/s \S+ eta (\?|\d+:\d\d(:\d\d)? \(run \d+:\d\d(:\d\d)?\))",
     r"ddp training finished",
     r"note: \d+ workers need \d+ GPUs \(one each\) and the Ray cluster has \d+; training on CPUs",  # a 1-GPU machine
     r"  \w+: .+",
@@ -39,11 +39,12 @@ def run_main_job(tmp_path, *extra: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_main_job_prints_only_its_own_lines(tmp_path):
-    done = run_main_job(tmp_path)
+    done = run_main_job(tmp_path, "--log-every", "10")
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     foreign = [line for line in lines if not any(re.fullmatch(pattern, line) for pattern in OWN_LINES)]
     assert foreign == [], foreign
-    assert any(line.startswith("epoch 1/1 ") for line in lines) and "ddp training finished" in lines
+    assert any(line.startswith("epoch 1/1 train_loss ") for line in lines) and "ddp training finished" in lines
+    assert [line.split(" loss")[0] for line in lines if " eta " in line] == ["epoch 1/1 step 10/22", "epoch 1/1 step 20/22"]
 
 
 @pytest.mark.slow

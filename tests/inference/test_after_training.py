@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from helpers import assert_usage_error, run_cli, run_cli_json, tiny_run
+from raytrain_mp.checkpointing import RAY_SNAPSHOT
 from raytrain_mp.inference.checkpoint import load_run, resolve_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,9 @@ def test_a_run_folder_resolves_to_its_newest_complete_checkpoint(run, tmp_path):
     torn = copy / "checkpoint_000002"
     shutil.copytree(copy / "checkpoint_000001", torn)
     (torn / "model.pt").unlink()  # a checkpoint torn by a crash: skipped in a run folder
+    # Ray Train's record of the run decides: the copies are complete folders it never registered.
+    assert resolve_checkpoint(str(copy)).uri == str(copy / "checkpoint_000001")
+    (copy / RAY_SNAPSHOT).unlink()  # without the record, every complete local folder counts
     assert resolve_checkpoint(str(copy)).uri == str(copy / "checkpoint_000002_step_000004")
     shutil.rmtree(copy / "checkpoint_000002_step_000004")
     assert resolve_checkpoint(str(copy)).uri == str(copy / "checkpoint_000001")

@@ -1,0 +1,86 @@
+"""Ctrl-C (SIGINT) and SIGTERM during a command: stop, and say in one line where the run stands.
+
+- ``signals_interrupt()`` makes SIGINT and SIGTERM raise ``Interrupted`` in the main thread while a
+  command runs (Python's own SIGINT handling raises ``KeyboardInterrupt``; SIGTERM's default kills
+  the process without any cleanup). ``Interrupted`` is a ``BaseException``, as ``KeyboardInterrupt``
+  is, so no ``except Exception`` on its way treats it as a failure to retry.
+- A training command adds what it knows as the exception passes (``Interrupted.at``, the run
+  folder); ``cli`` prints ``Interrupted.line()`` once the command
+  has unwound, which has stopped the workers and shut down a local Ray the command started
+  (``cluster.ray_connection``), and exits with 128 + the signal's number (130, 143), the status a
+  shell reports for a process that signal ended.
+- A second signal while the first unwinds ends the process at once, without cleanup, with that
+  signal's status: the way out of a shutdown that hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports this module before it parses; storage needs pyarrow, checkpointing torch
+    from raytrain_mp.storage import Location
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """The command was stopped by signal ``signum``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.at: tuple[int, int] | None = None  # (epoch, step in it), both from 1, of the last step known done
+        self.run: Location | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def line(self) -> str:
+        """``interrupted at epoch E step S; the last checkpoint is URI; rerun the same command with
+        --name NAME to continue`` (the name: a made-up one is in no command the user typed)."""
+        from raytrain_mp.checkpointing import published_checkpoints
+        from raytrain_mp.storage import name_of
+
+        where = f" at epoch {self.at[0]} step {self.at[1]}" if self.at else ""
+        if self.run is None:
+            return f"interrupted{where}"
+        published = published_checkpoints(self.run)[1] if self.run.exists() else []
+        last = f"the last checkpoint is {published[-1].uri}" if published else "no checkpoint was written yet"
+        again = "continue" if published else "start over"
+        return f"interrupted{where}; {last}; rerun the same command with --name {name_of(self.run.uri)} to {again}"
+
+
+def _raise(signum: int, frame) -> None:
+    for each in SIGNALS:  # the next signal ends the process (see the module docstring)
+        signal.signal(each, lambda number, _frame: os._exit(128 + number))
+    raise Interrupted(signum)
+
+
+_armed = False  # inside signals_interrupt()
+
+
+def rearm() -> None:
+    """Within ``signals_interrupt``, make its handlers the process's again: ``ray.init`` installs
+    SIGTERM handlers of its own, in Python (``sys.exit(15)``) and in C (a stack trace, then abort)."""
+    if _armed:
+        for each in SIGNALS:
+            signal.signal(each, _raise)
+
+
+@contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM raise ``Interrupted`` in the main thread while the block runs."""
+    global _armed
+    previous = {each: signal.signal(each, _raise) for each in SIGNALS}
+    _armed = True
+    try:
+        yield
+    finally:
+        _armed = False
+        for each, handler in previous.items():
+            signal.signal(each, handler)

@@ -1,0 +1,165 @@
+"""Ctrl-C and SIGTERM during ``raytrain-mp ddp`` and ``pipeline``, as a user sends them: the command
+exits 130 (143) with one line that names the last checkpoint, leaves no process it started behind,
+and the same command run again (with ``--quiet``: only the JSON line) continues from that
+checkpoint and finishes with a whole run log.
+
+Each command runs as a user types it (its own local Ray, a fresh HOME). The ddp run is held before
+global step 8 (``--hold-at-step``), so it is mid-epoch on any machine; it runs on a
+pseudo-terminal, where its progress line is redrawn in place, and Ctrl-C is the terminal's
+(``\\x03`` written to it). The others get the signal from ``killpg`` once a progress line passed
+step 4 (``interrupt_when``). Every process the command
+started carries a marker in its environment (Ray hands the driver's environment to what it
+starts), which is how the test finds any left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import time
+import uuid
+
+import pyarrow.fs as pafs
+import pytest
+
+from run_log_check import checked_run_log
+from raytrain_mp.progress import ERASE_LINE
+from raytrain_mp.storage import locate, name_of
+
+pytestmark = pytest.mark.slow  # two runs of a command each, with their own local Ray
+
+STEPS = 22  # digits: 1437 training samples in batches of 64
+COMMON = ["--epochs", "1", "--global-batch-size", "64", "--log-every", "2", "--checkpoint-every-steps", "2", "--no-use-gpu"]
+LINE = re.compile(r"raytrain-mp: interrupted at epoch 1 step (\d+); the last checkpoint is (\S+); rerun the same command with --name (\S+) to continue")
+
+
+def command_env(tmp_path, marker: str) -> dict[str, str]:
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return {**env, "HOME": str(home), "RAYTRAIN_MP_TEST_MARKER": marker}
+
+
+def processes_with(marker: str) -> list[str]:
+    """Command lines of the live processes whose environment holds ``marker``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if marker.encode() not in environ.read():
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                found.append(cmdline.read().replace(b"\0", b" ").decode(errors="replace")[:120])
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def assert_nothing_left(marker: str) -> None:
+    deadline = time.monotonic() + 30  # processes that got the signal may take a moment to go
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_with(marker) == []
+
+
+def rerun_continues(argv: list[str], env: dict[str, str], checkpoint: str, resumed: str | None) -> dict:
+    """The same command again: it resumes from ``checkpoint`` and finishes, with a run log of every
+    step once; piped, its output has no carriage return or escape character. ``resumed``: the
+    start of the line that says where it resumed; None: run it with ``--quiet``, which prints only
+    the JSON line (the run log's event files then say where it resumed)."""
+    done = subprocess.run(argv + ["--json"] + ([] if resumed else ["--quiet"]), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    assert "\r" not in done.stdout + done.stderr and "\x1b" not in done.stdout + done.stderr
+    if resumed:
+        assert f"{resumed} " in done.stdout and name_of(checkpoint) in done.stdout.split(resumed, 1)[1].split("\n", 1)[0]
+    else:
+        assert len(done.stdout.strip().splitlines()) == 1, done.stdout[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["epochs"] == 1
+    checked_run_log(result["run"], steps=STEPS, epochs=1, steps_per_epoch=STEPS, log_every=2)
+    run = locate(result["run"], "run")
+    attempts = sorted(info.base_name.rsplit(".from-", 1)[1] for info in run.fs.get_file_info(pafs.FileSelector(run.path))
+                      if info.base_name.startswith("events.out.tfevents."))  # fmt: skip
+    assert [int(start) for start in attempts] == [0, int(name_of(checkpoint).rsplit("_", 1)[1])]  # epoch 1: step = global step
+    return result
+
+
+def test_ctrl_c_on_a_terminal_stops_a_ddp_run_whose_progress_line_rewrites_in_place(tmp_path, digits_dir):
+    marker = uuid.uuid4().hex
+    env = command_env(tmp_path, marker)
+    argv = ["raytrain-mp", "ddp", "--data", digits_dir, "--storage-path", str(tmp_path / "runs"), *COMMON]
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: the command, on the pseudo-terminal, in a session of its own
+        os.execvpe(argv[0], [*argv, "--hold-at-step", f"8:{tmp_path / 'never'}"], env)
+    out = b""
+    deadline = time.monotonic() + 300
+    while b"step 8/22" not in out:  # held before global step 8 from here on
+        assert time.monotonic() < deadline, out[-2000:]
+        if select.select([terminal], [], [], 1)[0]:
+            out += os.read(terminal, 65536)
+    while not any("checkpoint_000001_step_000008" in f.read_text() for f in (tmp_path / "runs").glob("*/checkpoint_manager_snapshot.json")):
+        assert time.monotonic() < deadline, "Ray Train did not register step 8's checkpoint"
+        time.sleep(0.2)
+    os.write(terminal, b"\x03")  # the terminal's Ctrl-C: SIGINT to the foreground process group
+    while True:
+        try:
+            chunk = os.read(terminal, 65536)
+        except OSError:  # the other end closed: the command exited
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    text = out.decode()
+    assert os.waitstatus_to_exitcode(status) == 130, text[-3000:]
+    parts = text.split("\r")  # the terminal turns each newline into \r\n
+    draws = [i for i, part in enumerate(parts) if part.startswith("epoch 1/1 step ")]
+    assert len(draws) >= 3 and [parts[i].split(" loss")[0] for i in draws][-1] == "epoch 1/1 step 8/22", text[-3000:]
+    assert draws == list(range(draws[0], draws[-1] + 1)), "each draw replaces the one before, on the same line"
+    assert all(re.search(r" eta \d+:\d\d \(run \d+:\d\d\)" + re.escape(ERASE_LINE), parts[i]) for i in draws[1:])  # the last: then the echoed ^C
+    found = LINE.search(text)
+    assert found and found.group(1) == "8" and name_of(found.group(2)) == "checkpoint_000001_step_000008", text[-2000:]
+    assert_nothing_left(marker)
+    rerun_continues([*argv, "--name", found.group(3)], env, found.group(2), "resumed from")
+
+
+def interrupt_when(argv: list[str], env: dict[str, str], seen: str, signum: int) -> tuple[int, str]:
+    """Run ``argv`` and, once its output holds ``seen``, send it ``signum``: SIGINT to its process
+    group, as a terminal's Ctrl-C; SIGTERM to the process, as ``kill`` does (the group would
+    include the local Ray's own processes, which Ray shields from SIGINT only). (exit status, output)"""
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = []
+    for line in process.stdout:
+        out.append(line)
+        if seen in line:
+            (os.killpg if signum == signal.SIGINT else os.kill)(process.pid, signum)
+            break
+    out.extend(process.stdout)
+    return process.wait(timeout=120), "".join(out)
+
+
+@pytest.mark.parametrize(("command", "storage", "signum"), [
+    ("pipeline", "local", signal.SIGINT),
+    ("pipeline", "s3", signal.SIGTERM),
+    ("ddp", "s3", signal.SIGINT),
+])  # fmt: skip
+def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(tmp_path, digits_dir, request, command, storage, signum):
+    marker = uuid.uuid4().hex
+    env = command_env(tmp_path, marker)
+    where = request.getfixturevalue("bucket") if storage == "s3" else str(tmp_path / "runs")
+    argv = ["raytrain-mp", command, "--data", digits_dir, "--storage-path", where, "--name", f"{command}-{storage}", *COMMON]
+    if command == "ddp":
+        argv += ["--num-workers", "1"]
+    status, out = interrupt_when(argv, env, "epoch 1/1 step 4/22 ", signum)
+    assert status == 128 + signum, out[-3000:]
+    found = LINE.search(out)
+    assert found and int(found.group(1)) >= 4 and found.group(3) == f"{command}-{storage}", out[-2000:]
+    assert found.group(2).startswith(where.split("?")[0] + f"/{command}-{storage}/checkpoint_000001_step_0000")
+    assert out.rstrip().endswith(found.group(0)), "the line is the last thing the command printed"
+    assert_nothing_left(marker)
+    rerun_continues(argv, env, found.group(2), None)
