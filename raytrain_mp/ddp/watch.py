@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_mp.progress import Console
 
@@ -78,7 +79,9 @@ class Watch:
     def __init__(self, run_name: str, console: Console) -> None:
         self.console = console
         self.name = BOARD_PREFIX + run_name
-        self.board = Board.options(name=self.name).remote()
+        # On the driver's node, as Ray Train places its controller: a lost worker node must not take it along.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.board = Board.options(name=self.name, scheduling_strategy=here).remote()
         self.position: tuple[int, int] | None = None
 
     def show(self) -> None:
