@@ -227,10 +227,10 @@ def train_loop_per_worker(config: dict) -> None:
             optimizer.zero_grad(set_to_none=True)
             step_lr = optimizer.param_groups[0]["lr"]  # the lr this step trained with, before the schedule moves on
             scheduler.step()
-            due = progress.step(global_step + 1)
-            if rank == 0 and due:
-                out.progress(progress.line(loss_sum / samples), due, progress.at)
-            if rank == 0 and due == "log":
+            update = progress.step(global_step + 1)
+            if rank == 0 and update:
+                out.progress(progress.line(loss_sum / samples), update, progress.at)
+            if rank == 0 and update == "log":
                 log.step(global_step + 1, epoch + 1, loss_sum / samples, step_lr)
             if every_steps and (global_step + 1) % every_steps == 0 and step + 1 < steps_per_epoch:
                 epoch_loss = all_reduce_sum([loss_sum, samples], device)
