@@ -128,8 +128,9 @@ def run_ddp(cfg: DDPConfig) -> dict:
         with environment(controller_env(cfg)):
             summary = summarize(watch.fit(build_trainer(cfg).fit), cfg)
     except Interrupted as exc:
-        watch.console.end_line()
         exc.at, exc.run = watch.position, run
         raise
+    finally:
+        watch.console.end_line()  # what follows (a traceback, the interrupt's line) starts on a line of its own
     write_result(run, summary)
     return summary

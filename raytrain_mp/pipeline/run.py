@@ -274,9 +274,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             finally:
                 trainer.shutdown()
     except Interrupted as exc:
-        console.end_line()
         exc.at, exc.run = progress.at if progress else None, run
         raise
+    finally:
+        console.end_line()  # what follows (a traceback, the interrupt's line) starts on a line of its own
 
 
 def print_placement(trainer: PipelineTrainer, console: Console) -> None:
