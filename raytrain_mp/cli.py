@@ -195,9 +195,15 @@ def cmd_bench_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_command(sub, name: str, help_text: str, config_cls: type, handler, positional: tuple[str, ...] = ()) -> argparse.ArgumentParser:
-    """A subcommand whose flags are ``config_cls``'s fields (but ``positional``) and whose work is ``handler``."""
-    parser = sub.add_parser(name, help=help_text)
+def docs(page: str) -> str:
+    """The last line of a ``--help``: the page of the repository that covers the command."""
+    return f"docs: {page}"
+
+
+def add_command(sub, name: str, help_text: str, config_cls: type, handler, page: str, positional: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """A subcommand whose flags are ``config_cls``'s fields (but ``positional``), whose work is
+    ``handler`` and whose ``--help`` ends with the docs ``page`` that covers it."""
+    parser = sub.add_parser(name, help=help_text, epilog=docs(page))
     add_arguments(parser, config_cls, positional=positional)
     parser.set_defaults(handler=handler)
     return parser
@@ -208,28 +214,29 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Distributed training of vision models on Ray: DDP, pipelined model parallelism, lr sweeps.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=docs("README.md; every option of every command: docs/cli.md"),
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
-    data = sub.add_parser("data", help="prepare data sets as Parquet shards")
+    data = sub.add_parser("data", help="prepare data sets as Parquet shards", epilog=docs("docs/data.md"))
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=OneLineParser)
-    prep = add_command(data_sub, "prepare", "write SOURCE as Parquet shards + metadata into --out", PrepareConfig, cmd_prepare, ("source",))
+    prep = add_command(data_sub, "prepare", "write SOURCE as Parquet shards + metadata into --out", PrepareConfig, cmd_prepare, "docs/data.md", ("source",))
     prep.add_argument("source", metavar="SOURCE", help="digits | synthetic | cifar10:PATH | imagefolder:PATH")
-    add_command(sub, "ddp", "DistributedDataParallel training on Ray Train", DDPConfig, cmd_ddp)
-    add_command(sub, "pipeline", "pipelined model-parallel training on Ray stage actors", PipelineConfig, cmd_pipeline)
-    add_command(sub, "tune", "learning-rate sweep on Ray Tune, one DDP run per trial", TuneConfig, cmd_tune)
-    add_command(sub, "eval", "exact evaluation of a checkpoint on Ray Train workers: accuracy, loss, per class, confusion matrix", EvalConfig, cmd_eval)
-    predict = add_command(sub, "predict", "top-k classes of image files, preprocessed as the run's validation split", PredictConfig, cmd_predict, ("files",))
+    add_command(sub, "ddp", "DistributedDataParallel training on Ray Train", DDPConfig, cmd_ddp, "docs/ddp.md")
+    add_command(sub, "pipeline", "pipelined model-parallel training on Ray stage actors", PipelineConfig, cmd_pipeline, "docs/pipeline.md")
+    add_command(sub, "tune", "learning-rate sweep on Ray Tune, one DDP run per trial", TuneConfig, cmd_tune, "docs/tune.md")
+    add_command(sub, "eval", "exact evaluation of a checkpoint on Ray Train workers: accuracy, loss, per class, confusion matrix", EvalConfig, cmd_eval, "docs/inference.md")
+    predict = add_command(sub, "predict", "top-k classes of image files, preprocessed as the run's validation split", PredictConfig, cmd_predict, "docs/inference.md", ("files",))
     predict.add_argument("files", metavar="FILE_OR_FOLDER", nargs="+", help="image files (JPEG, PNG, any mode PIL reads) or folders of them")
-    add_command(sub, "export", "a checkpoint's model as ONNX, torch.export (.pt2) or TorchScript, checked before it is written", ExportConfig, cmd_export)
+    add_command(sub, "export", "a checkpoint's model as ONNX, torch.export (.pt2) or TorchScript, checked before it is written", ExportConfig, cmd_export, "docs/inference.md")
 
-    bench = sub.add_parser("bench", help="side-by-side benchmarks: results.json and PNG plots")
+    bench = sub.add_parser("bench", help="side-by-side benchmarks: results.json and PNG plots", epilog=docs("docs/performance.md"))
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=OneLineParser)
-    add_command(bench_sub, "pipeline", "one process vs model parallel vs pipelined schedules", BenchPipelineConfig, cmd_bench_pipeline)
-    add_command(bench_sub, "ddp", "Ray Train DDP vs a bare torchrun loop, samples/s", BenchDDPConfig, cmd_bench_ddp)
+    add_command(bench_sub, "pipeline", "one process vs model parallel vs pipelined schedules", BenchPipelineConfig, cmd_bench_pipeline, "docs/performance.md")
+    add_command(bench_sub, "ddp", "Ray Train DDP vs a bare torchrun loop, samples/s", BenchDDPConfig, cmd_bench_ddp, "docs/performance.md")
     add_command(
         bench_sub, "data", "loader samples/s: raw and encoded images vs torchvision ImageFolder + PIL; with --cases "
-        "pipeline_input_jpeg_224, the pipeline run loop fed by the driver vs by its stage loaders", BenchDataConfig, cmd_bench_data,
+        "pipeline_input_jpeg_224, the pipeline run loop fed by the driver vs by its stage loaders", BenchDataConfig, cmd_bench_data, "docs/performance.md",
     )  # fmt: skip
     return parser
 
