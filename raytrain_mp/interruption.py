@@ -11,6 +11,10 @@
   shell reports for a process that signal ended.
 - A second signal while the first unwinds ends the process at once, without cleanup, with that
   signal's status: the way out of a shutdown that hangs.
+- ``uninterrupted()`` holds a signal back until its block ends: a write that a signal cut between
+  opening an object and writing its bytes would otherwise leave an empty object behind (closing
+  an S3 stream, as leaving its ``with`` does, uploads what it holds), and a local one a stray
+  temporary file.
 """
 
 from __future__ import annotations
@@ -55,7 +59,14 @@ class Interrupted(BaseException):
         return f"interrupted{where}; {last}; rerun the same command with --name {name_of(self.run.uri)} to {again}"
 
 
+_held: list[int] = []  # the signals that came inside uninterrupted(), when one is running
+_holding = 0  # the depth of uninterrupted() blocks
+
+
 def _raise(signum: int, frame) -> None:
+    if _holding:
+        _held.append(signum)
+        return
     for each in SIGNALS:  # the next signal ends the process (see the module docstring)
         signal.signal(each, lambda number, _frame: os._exit(128 + number))
     raise Interrupted(signum)
@@ -84,3 +95,18 @@ def signals_interrupt() -> Iterator[None]:
         _armed = False
         for each, handler in previous.items():
             signal.signal(each, handler)
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Run the block whole: a signal that comes meanwhile raises ``Interrupted`` as it ends."""
+    global _holding
+    _holding += 1
+    try:
+        yield
+    finally:
+        _holding -= 1
+    if not _holding and _held:
+        signum = _held[0]
+        _held.clear()
+        _raise(signum, None)

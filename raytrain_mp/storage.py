@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raytrain_mp.errors import UsageError
+from raytrain_mp.interruption import uninterrupted
 
 COMPLETE_MARKER = ".complete"
 
@@ -85,16 +86,18 @@ class Location:
             return f.read()
 
     def write_bytes(self, data: bytes) -> None:
-        """Write one file (an object store's PUT is atomic; locally via a renamed temporary file)."""
-        if self.is_local:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=Path(self.path).parent)
-            with os.fdopen(fd, "wb") as f:
+        """Write one file (an object store's PUT is atomic; locally via a renamed temporary file),
+        whole also under Ctrl-C (``interruption.uninterrupted``)."""
+        with uninterrupted():
+            if self.is_local:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=Path(self.path).parent)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, self.path)
+                return
+            with self.fs.open_output_stream(self.path) as f:
                 f.write(data)
-            os.replace(tmp, self.path)
-            return
-        with self.fs.open_output_stream(self.path) as f:
-            f.write(data)
 
     def folders(self, prefix: str, order: Callable[[str], Any] | None = None) -> list[Location]:
         """The sub-folders whose names start with ``prefix``, by name (or by ``order`` of their names)."""

@@ -24,6 +24,9 @@ import os
 
 import pytest
 
+# Their asserts show the values compared when they fail, as a test module's do.
+pytest.register_assert_rewrite("helpers", "run_log_check", "simulated_cluster")
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray Train's controller polls its workers every 2 s, so a fit's start and end each wait up to

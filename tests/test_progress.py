@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from raytrain_mp.checkpointing import CHECKPOINT_FILES, RAY_SNAPSHOT
-from raytrain_mp.interruption import Interrupted, signals_interrupt
+from raytrain_mp.interruption import Interrupted, signals_interrupt, uninterrupted
 from raytrain_mp.progress import ERASE_LINE, Console, Progress, duration
 from raytrain_mp.storage import locate
 
@@ -143,3 +143,20 @@ def test_both_signals_raise_interrupted_within_the_block_only(signum):
             pytest.fail("no Interrupted")
     assert raised.value.signum == signum
     assert signal.getsignal(signum) is before
+
+
+def test_a_signal_inside_uninterrupted_waits_for_the_block_to_end(tmp_path):
+    """A write under Ctrl-C ends whole: the signal raises once the block is done (an S3 stream
+    closed by an exception between its open and its write would upload an empty object)."""
+    done = []
+    with pytest.raises(Interrupted) as raised:
+        with signals_interrupt():
+            with uninterrupted():
+                with uninterrupted():  # nested: held until the outer block ends
+                    os.kill(os.getpid(), signal.SIGINT)
+                    done.append("inner")
+                done.append("outer")
+            pytest.fail("no Interrupted after the block")
+    assert raised.value.signum == signal.SIGINT and done == ["inner", "outer"]
+    with signals_interrupt(), uninterrupted():
+        pass  # nothing held from before
