@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from helpers import assert_usage_error, run_cli, run_cli_json
+from test_readme import readme_commands
 
 # Figures that may be zero: a share of idle time, a distance from a formula, or the bubble a
 # one-stage layout (the hybrid case's pure data parallel) has by the formula; the loss difference
@@ -60,17 +62,17 @@ def assert_spread(figure: dict) -> None:
     assert figure["min"] <= figure["median"] <= figure["max"]
 
 
+# The README's tiny bench (docs/performance.md shows it too): this test is where it runs.
+TINY_BENCH = next(command for command in readme_commands() if command.startswith("raytrain-mp bench pipeline --out bench-tiny "))
+
+
 @pytest.mark.slow
-def test_bench_pipeline_smoke(ray_session, tmp_path, capsys):
-    out = tmp_path / "pipeline"
-    summary = run_cli_json(
-        "bench", "pipeline", "--no-use-gpu", "--out", str(out), "--model", "resnet18", "--image-size", "16",
-        "--global-batch-size", "8", "--microbatches", "1,2", "--steps", "1", "--warmup", "0", "--threads", "1",
-        "--overhead-microbatches", "8,1", "--overhead-steps", "2", "--overhead-schedules", "gpipe,1f1b,interleaved-1f1b",
-        "--overhead-rounds", "1", "--resnet-rounds", "2",
-    )  # fmt: skip
+def test_bench_pipeline_smoke(ray_session, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # its --out is relative, as a reader types it
+    summary = run_cli_json(*shlex.split(TINY_BENCH)[1:], "--no-use-gpu")
+    out = tmp_path / "bench-tiny"
     results = json.loads((out / "results.json").read_text())
-    assert summary["results"] == str(out / "results.json")
+    assert (tmp_path / summary["results"]).resolve() == out / "results.json"
     assert [Path(plot).name for plot in summary["plots"]] == ["step_time_bars.png", "m_curve.png", "overhead.png"]
     for plot in summary["plots"]:
         assert Path(plot).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
