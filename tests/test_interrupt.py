@@ -9,7 +9,8 @@ pseudo-terminal, where its progress line is redrawn in place, and Ctrl-C is the 
 (``\\x03`` written to it). The others get the signal from ``killpg`` once a progress line passed
 step 4 (``interrupt_when``). Every process the command
 started carries a marker in its environment (Ray hands the driver's environment to what it
-starts), which is how the test finds any left behind.
+starts), which is how the test finds any left behind; it looks after the rerun (which has a marker
+of its own), so the seconds Ray's agents take to notice their raylet gone overlap with it.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def rerun_continues(argv: list[str], env: dict[str, str], checkpoint: str, resum
     step once; piped, its output has no carriage return or escape character. ``resumed``: the
     start of the line that says where it resumed; None: run it with ``--quiet``, which prints only
     the JSON line (the run log's event files then say where it resumed)."""
+    env = {**env, "RAYTRAIN_MP_TEST_MARKER": uuid.uuid4().hex}  # its own: the first run's processes are looked for after it
     done = subprocess.run(argv + ["--json"] + ([] if resumed else ["--quiet"]), env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     assert "\r" not in done.stdout + done.stderr and "\x1b" not in done.stdout + done.stderr
@@ -126,8 +128,8 @@ def test_ctrl_c_on_a_terminal_stops_a_ddp_run_whose_progress_line_rewrites_in_pl
     assert all(re.search(r" eta \d+:\d\d \(run \d+:\d\d\)" + re.escape(ERASE_LINE), parts[i]) for i in draws[1:])  # the last: then the echoed ^C
     found = LINE.search(text)
     assert found and found.group(1) == "8" and name_of(found.group(2)) == "checkpoint_000001_step_000008", text[-2000:]
-    assert_nothing_left(marker)
     rerun_continues([*argv, "--name", found.group(3)], env, found.group(2), "resumed from")
+    assert_nothing_left(marker)
 
 
 def interrupt_when(argv: list[str], env: dict[str, str], seen: str, signum: int) -> tuple[int, str]:
@@ -163,5 +165,6 @@ def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(tmp_
     assert found and int(found.group(1)) >= 4 and found.group(3) == f"{command}-{storage}", out[-2000:]
     assert found.group(2).startswith(where.split("?")[0] + f"/{command}-{storage}/checkpoint_000001_step_0000")
     assert out.rstrip().endswith(found.group(0)), "the line is the last thing the command printed"
-    assert_nothing_left(marker)
+    print(out)  # pytest shows it when the rerun's checks fail: where the first run stopped
     rerun_continues(argv, env, found.group(2), None)
+    assert_nothing_left(marker)
