@@ -104,9 +104,9 @@ def uninterrupted() -> Iterator[None]:
     _holding += 1
     try:
         yield
-    finally:
+    finally:  # also when the block failed: the signal is what the user asked for
         _holding -= 1
-    if not _holding and _held:
-        signum = _held[0]
-        _held.clear()
-        _raise(signum, None)
+        if not _holding and _held:
+            signum = _held[0]
+            _held.clear()
+            _raise(signum, None)

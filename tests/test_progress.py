@@ -160,3 +160,7 @@ def test_a_signal_inside_uninterrupted_waits_for_the_block_to_end(tmp_path):
     assert raised.value.signum == signal.SIGINT and done == ["inner", "outer"]
     with signals_interrupt(), uninterrupted():
         pass  # nothing held from before
+    with pytest.raises(Interrupted), signals_interrupt():  # a block that fails still hands the signal on
+        with uninterrupted():
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise OSError("the upload failed")
