@@ -59,13 +59,14 @@ class Interrupted(BaseException):
         return f"interrupted{where}; {last}; rerun the same command with --name {name_of(self.run.uri)} to {again}"
 
 
-_held: list[int] = []  # the signals that came inside uninterrupted(), when one is running
+_held: int | None = None  # the first signal that came inside uninterrupted()
 _holding = 0  # the depth of uninterrupted() blocks
 
 
 def _raise(signum: int, frame) -> None:
+    global _held
     if _holding:
-        _held.append(signum)
+        _held = _held or signum
         return
     for each in SIGNALS:  # the next signal ends the process (see the module docstring)
         signal.signal(each, lambda number, _frame: os._exit(128 + number))
@@ -100,13 +101,12 @@ def signals_interrupt() -> Iterator[None]:
 @contextmanager
 def uninterrupted() -> Iterator[None]:
     """Run the block whole: a signal that comes meanwhile raises ``Interrupted`` as it ends."""
-    global _holding
+    global _holding, _held
     _holding += 1
     try:
         yield
     finally:  # also when the block failed: the signal is what the user asked for
         _holding -= 1
         if not _holding and _held:
-            signum = _held[0]
-            _held.clear()
+            signum, _held = _held, None
             _raise(signum, None)

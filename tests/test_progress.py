@@ -145,7 +145,7 @@ def test_both_signals_raise_interrupted_within_the_block_only(signum):
     assert signal.getsignal(signum) is before
 
 
-def test_a_signal_inside_uninterrupted_waits_for_the_block_to_end(tmp_path):
+def test_a_signal_inside_uninterrupted_waits_for_the_block_to_end():
     """A write under Ctrl-C ends whole: the signal raises once the block is done (an S3 stream
     closed by an exception between its open and its write would upload an empty object)."""
     done = []
