@@ -11,7 +11,9 @@ Tests state the device they need. CPU tests pin the CPU (``--no-use-gpu``, ``use
 simulated nodes with ``num_gpus=0``), so they mean the same on a GPU box; tests marked
 ``gpu(n)`` need n CUDA devices and skip, with the reason, where there are fewer. The session's Ray
 advertises this machine's GPUs, or ``RAYTRAIN_MP_TEST_RAY_GPUS`` of them: a number there fakes a
-GPU cluster on a CPU machine (``tests/test_gpu_readiness.py`` runs CPU tests that way).
+GPU cluster on a CPU machine (``tests/test_gpu_readiness.py`` runs CPU tests that way). Its CPUs
+grow with the GPUs (``helpers.session_cpus``), and tests that count either read them from
+``helpers.session_gpus`` and ``helpers.session_cpus``, so they mean the same with any GPU count.
 
 Object storage is a real S3 protocol server (moto's server mode) on 127.0.0.1, started once per
 session by the tests that ask (``s3_endpoint``); its credentials are set here, before any Ray
@@ -105,15 +107,14 @@ def no_tf32():
 def ray_session():
     import ray
 
+    from helpers import session_cpus, session_gpus
     from raytrain_mp.cluster import quiet_ray_train_logs
 
     if not ray.is_initialized():
         quiet_ray_train_logs()
-        fake_gpus = os.environ.get("RAYTRAIN_MP_TEST_RAY_GPUS")
-        gpus = {"num_gpus": int(fake_gpus)} if fake_gpus else {}
         # "local": a new Ray of its own even where another runs on this machine (a plain init
         # would join that one through /tmp/ray/ray_current_cluster and refuse num_cpus)
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True, **gpus)
+        ray.init(address="local", num_cpus=session_cpus(), num_gpus=session_gpus(), include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
 

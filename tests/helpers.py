@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import json
+import os
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from raytrain_mp.cli import main
+
+
+def session_gpus() -> int:
+    """GPUs the session's Ray (conftest's ``ray_session``) advertises: ``RAYTRAIN_MP_TEST_RAY_GPUS``
+    of them (a fake GPU cluster on a CPU machine), else this machine's CUDA devices."""
+    import torch
+
+    fake = os.environ.get("RAYTRAIN_MP_TEST_RAY_GPUS")
+    return int(fake) if fake else torch.cuda.device_count()
+
+
+def session_cpus() -> int:
+    """CPUs the session's Ray advertises (logical ones): 4, or the GPUs + 2 where that is more, so
+    that one unit more than the cluster has GPUs (DDP workers or pipeline stages of 1 CPU, a Tune
+    trial's workers beside its 1-CPU driver) fits the CPUs and a test of too few GPUs reaches the
+    GPU check, on a box of any GPU count."""
+    return max(4, session_gpus() + 2)
 
 
 @dataclass
@@ -195,17 +212,10 @@ def kill_actor(actor: object, timeout_s: float = 60.0) -> None:
     """``ray.kill`` the actor and return once it is dead: ``ray.kill`` only asks, and a call sent
     right after it can still run on the live actor (a test that expects the next step to fail
     would then see it pass)."""
-    import ray
+    from raytrain_mp.pipeline.teardown import stop_actors
 
-    ray.kill(actor)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the actor still answered {timeout_s:.0f} s after ray.kill")
+    if stop_actors([actor], timeout_s):
+        raise AssertionError(f"the actor still answered {timeout_s:.0f} s after ray.kill")
 
 
 def write_digits_cut(out: Path, train: int, val: int) -> str:

@@ -26,7 +26,7 @@ for line in sys.stdin:
     if line.startswith("remove"):
         cluster.remove_node(workers[int(line.split()[1])])
     elif line.startswith("add"):
-        workers.append(cluster.add_node(num_cpus=2, num_gpus=0))
+        workers.append(cluster.add_node(num_cpus=2, num_gpus=int(line.split()[1]) if len(line.split()) > 1 else 0))
         cluster.wait_for_nodes()
     else:
         break
@@ -62,8 +62,9 @@ class SimulatedCluster:
     def remove_worker_node(self, index: int = 0) -> None:
         self._ask(f"remove {index}")
 
-    def add_worker_node(self) -> None:
-        self._ask("add")
+    def add_worker_node(self, gpus: int = 0) -> None:
+        """``gpus``: a GPU resource Ray advertises, no device behind it (for checks that place nothing on it)."""
+        self._ask(f"add {gpus}")
 
     def shutdown(self) -> None:
         try:

@@ -55,7 +55,7 @@ from raytrain_mp.bench.common import (
     write_results,
 )
 from raytrain_mp.bench.config import BenchDDPConfig
-from raytrain_mp.ddp.distributed_eval import all_reduce_sum
+from raytrain_mp.ddp.distributed_eval import global_count
 from raytrain_mp.models import build_model, check_model
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import build_optimizer
@@ -102,9 +102,9 @@ def measure_steps(
         # the DDP loop's step: the global sample count is all-reduced, the loss is a sum scaled by
         # world / count because DDP averages gradients over ranks.
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        (count,) = all_reduce_sum([float(len(y))], device)
+        scale = world / global_count(len(y), device)
         loss = nn.functional.cross_entropy(model(x), y, reduction="sum")
-        (loss * (world / count)).backward()
+        (loss * scale.to(loss.dtype)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         for gpu in gpus:

@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,17 @@ def gathered(padded: torch.Tensor, params: torch.Tensor, h: int, w: int) -> torc
     return picked_rows.gather(3, cols[:, None, None, :].expand(n, c, h, w))
 
 
+@lru_cache(maxsize=32)
+def normalization(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mean`` and ``std`` as (1, C, 1, 1) tensors on ``device``, made once per (device, dtype):
+    building them per batch is a host-to-device copy that waits for the stream, so the next
+    batch's pinned copy could not overlap the step's compute."""
+    return (
+        torch.tensor(mean, dtype=dtype, device=device).view(1, -1, 1, 1),
+        torch.tensor(std, dtype=dtype, device=device).view(1, -1, 1, 1),
+    )
+
+
 @dataclass(frozen=True)
 class BatchTransform:
     """Normalization by the data set's per-channel ``mean``/``std`` (raw pixel units), then
@@ -68,7 +80,6 @@ class BatchTransform:
 
     def __call__(self, images: torch.Tensor, params: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         x = images.to(device, non_blocking=True).to(dtype)
-        mean = torch.tensor(self.mean, dtype=dtype, device=device).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, dtype=dtype, device=device).view(1, -1, 1, 1)
+        mean, std = normalization(self.mean, self.std, device, dtype)
         x = (x - mean) / std
         return crop_flip(x, params, self.pad) if self.augment else x

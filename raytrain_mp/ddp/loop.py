@@ -48,7 +48,7 @@ from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.data.loader import EpochKeys, make_loader
 from raytrain_mp.ddp.elastic import items_to_skip
-from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate
+from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate, global_count
 from raytrain_mp.lr_schedule import make_schedule
 from raytrain_mp.storage import join, locate, name_of
 from raytrain_mp.models import build_model
@@ -205,21 +205,23 @@ def train_loop_per_worker(config: dict) -> None:
         progress.start_epoch()
         batches = iter(train_loader)
         # Rank 0 carries the resumed part of the epoch's loss: the epoch's all-reduced sums count it once.
-        loss_sum, samples = carried if (first and rank == 0) else (0.0, 0.0)
+        # The loss sum stays on the device, read only for a progress line or a report.
+        carried_loss, samples = carried if (first and rank == 0) else (0.0, 0.0)
+        loss_sum = torch.full((), carried_loss, dtype=torch.float64, device=device)
         trained = 0
         for step in range(first, steps_per_epoch):
             global_step = epoch * steps_per_epoch + step
             maybe_hold(cfg.hold_at_step, global_step)
             micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
-            (step_count,) = all_reduce_sum([float(sum(len(y) for _, y, _ in micro))], device)
+            scale = world / global_count(sum(len(y) for _, y, _ in micro), device)
             for i, (images, y, params) in enumerate(micro):
                 x, y = to_input(images, params), y.to(device, non_blocking=True)
                 sync = ddp.no_sync if i < len(micro) - 1 else nullcontext
                 with sync(), autocast():
                     logits = ddp(x)
                     loss = nn.functional.cross_entropy(logits, y, reduction="sum")
-                scaler.scale(loss * (world / step_count)).backward()
-                loss_sum += loss.item()
+                scaler.scale(loss * scale.to(loss.dtype)).backward()
+                loss_sum += loss.detach().double()
                 samples += len(y)
                 trained += len(y)
             scaler.step(optimizer)
@@ -229,9 +231,10 @@ def train_loop_per_worker(config: dict) -> None:
             scheduler.step()
             update = progress.step(global_step + 1)
             if rank == 0 and update:
-                out.progress(progress.line(loss_sum / samples), update, progress.at)
-            if rank == 0 and update == "log":
-                log.step(global_step + 1, epoch + 1, loss_sum / samples, step_lr)
+                running_loss = loss_sum.item() / samples
+                out.progress(progress.line(running_loss), update, progress.at)
+                if update == "log":
+                    log.step(global_step + 1, epoch + 1, running_loss, step_lr)
             if every_steps and (global_step + 1) % every_steps == 0 and step + 1 < steps_per_epoch:
                 epoch_loss = all_reduce_sum([loss_sum, samples], device)
                 ray.train.report(

@@ -4,10 +4,13 @@ Pure pieces (no Ray): ``blocks`` (model -> named blocks), ``partition`` (blocks 
 ``schedule`` (names, limits, ideal bubbles), ``microbatch`` (batch -> micro-batches), ``deferred_bn``, ``replicas``
 (data x pipeline: rank layout, batch shares, replica placement, BatchNorm merge weights), ``handoff``
 (a batch to a stage actor, zero-copy), ``layouts`` (memory-format names), ``memory_format`` (a
-stage's layout: channels-last or contiguous inside, contiguous at its edges). Ray pieces:
+stage's layout: channels-last or contiguous inside, contiguous at its edges), ``busy_clock`` (the
+seconds a rank computes, timed on its device). Ray pieces:
 ``feed`` (a replica's batches read on its first and last stage: ``StageData``),
 ``stage`` (one rank's actor body, running torch.distributed.pipelining's schedules), ``replica_sync`` (what a
-stage's replicas all-reduce after each step), ``trainer`` (``PipelineTrainer``, the driver) and ``run`` (the
+stage's replicas all-reduce after each step), ``teardown`` (stopping actors: returns once they are dead),
+``blame`` (which rank a failed call names, from Ray's errors: a rule without a running Ray),
+``trainer`` (``PipelineTrainer``, the driver) and ``run`` (the
 ``raytrain-mp pipeline`` training run over epochs); ``config`` holds its ``PipelineConfig``.
 
 May import: the shared layer (``raytrain_mp.config``, ``checkpointing``, ``cluster``, ``storage``, ``errors``,

@@ -50,6 +50,10 @@ What torch's runtime does not do, and this module adds:
   its whole backward; the interleaved schedules order their own.
 - Clipping by the global norm over all ranks (one all-reduce), deferred BatchNorm commits, and the
   optimizer step, in the same call as the schedule.
+- The seconds a rank computes, which the trainer's bubble figures and time balance rest on: its
+  forwards, backwards and update, timed on its device (``busy_clock``: CUDA events on the compute
+  stream, read once at the step's end), never with a device-wide synchronize, which would count a
+  send that waits for its peer as compute and keep computing from overlapping communication.
 - ``predict``: an eval forward over micro-batches of any size (the last validation batch is
   smaller), chained stage to stage with a shape header before each tensor.
 
@@ -58,7 +62,9 @@ Invariants:
   applied. Torch's runtime needs equal micro-batches (it sizes its receive buffers once per
   schedule); the driver checks that the batch divides.
 - Every receive times out after ``p2p_timeout_s`` (the process group's timeout), so a rank whose
-  peer died or hangs raises instead of waiting forever.
+  peer died or hangs does not wait forever: over gloo the receive raises; over NCCL the watchdog
+  aborts the whole process instead, and the trainer names the rank that went silent
+  (``blame``).
 - State dicts use the original model's keys (see ``blocks.StageModule``); tensors leave the rank
   on the CPU.
 """
@@ -67,7 +73,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -90,6 +96,7 @@ from raytrain_mp.errors import UsageError
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import OPTIMIZERS, build_optimizer
 from raytrain_mp.pipeline.blocks import Block
+from raytrain_mp.pipeline.busy_clock import BusyClock, busy_clock
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
 from raytrain_mp.pipeline.feed import StageData, StageFeed
 from raytrain_mp.pipeline.handoff import from_wire
@@ -207,20 +214,19 @@ class _Autocast(nn.Module):
 
 
 class _TimedStage(PipelineStage):
-    """``PipelineStage`` that adds the seconds its forwards and backwards compute to ``busy`` (those
-    of its forwards also to ``forward_busy``), can take a step's receives posted ahead of it
+    """``PipelineStage`` that times its forwards and backwards on the rank's ``clock`` (regions
+    ``forward`` and ``backward``), can take a step's receives posted ahead of it
     (``post_receives``), and can split its last backward (``split_last_backward``)."""
 
-    busy = 0.0
-    forward_busy = 0.0
     split_backwards = 0  # backwards run split in this step
     # The last micro-batch's backward computes the input gradients only, which the schedule then
     # sends, and ``perform_reduce_grad`` the weight gradients at the schedule's end (see the module
     # docstring). Not on the first stage: it sends no gradients.
     split_last_backward = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, clock: BusyClock, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.clock = clock
         self._posted: dict[tuple[str, int], list[dist.Work]] = {}  # (direction, micro-batch) -> receives
         self._weights_pending: list[int] = []  # micro-batches whose weight gradients wait (split_last_backward)
 
@@ -251,20 +257,10 @@ class _TimedStage(PipelineStage):
         for work in self._posted.pop((direction, chunk), ()):
             work.wait()
 
-    def _timed(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        result = run(*args, **kwargs)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # count the kernels, not only their launch
-        self.busy += time.perf_counter() - start
-        return result
-
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         self._received("forward", fwd_chunk_id)
-        busy = self.busy
-        result = self._timed(super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
-        self.forward_busy += self.busy - busy
-        return result
+        with self.clock.region("forward"):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Tensor | None = None, full_backward: bool = True, last_backward: bool = False
@@ -273,9 +269,8 @@ class _TimedStage(PipelineStage):
         if self.split_last_backward and last_backward and not self.is_first:
             full_backward = False
             self._weights_pending.append(bwd_chunk_id)
-        return self._timed(
-            super().backward_one_chunk, bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
-        )
+        with self.clock.region("backward"):
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         # Torch's GPipe and 1F1B call this once the step's backwards are done and their sends
@@ -293,7 +288,8 @@ class _TimedStage(PipelineStage):
         self._weights_pending.clear()
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+        with self.clock.region("backward"):
+            return super().backward_weight_one_chunk(*args, **kwargs)
 
 
 def _post(ops: Sequence[dist.P2POp]) -> list[dist.Work]:
@@ -307,6 +303,7 @@ class StageWorker:
         self.config = config
         run_at_normal_niceness()  # before torch and gloo start threads of their own
         self.device = configure_device(config.use_gpu, config.num_cpus)
+        self._clock = busy_clock(self.device)  # the seconds this rank computes, shared by its stages
         # On CPU each step would otherwise fault in its gradients and activations afresh.
         self._keeps_freed_memory = self.device.type == "cpu" and keep_freed_memory()
         if config.deferred_bn:
@@ -483,7 +480,7 @@ class StageWorker:
                 _TimedStage(
                     runner, index, self.config.num_stages, self.device,
                     input_args=torch.empty_like(x).requires_grad_(index > 0), output_args=torch.empty_like(y).requires_grad_(),
-                    group=self._pipeline_group,
+                    group=self._pipeline_group, clock=self._clock,
                 )  # fmt: skip
             )
         for stage in stages:
@@ -533,27 +530,27 @@ class StageWorker:
                 merge_running_stats(before, self._stage_group, num_microbatches, replicas, self.config.replica)
                 if self.config.deferred_bn:
                     merge_deferred_stats(self.modules, self._stage_group, replicas)
-            start = time.perf_counter()
-            if max_norm is not None:
-                self._clip(max_norm)
-            if self.config.deferred_bn:
-                for module in self.modules:
-                    commit_deferred_batchnorm(module)
-            self.optimizer.step()
+            with self._clock.region("update"):
+                if max_norm is not None:
+                    self._clip(max_norm)
+                if self.config.deferred_bn:
+                    for module in self.modules:
+                        commit_deferred_batchnorm(module)
+                self.optimizer.step()
+        except BaseException:
+            self._clock.discard()  # a failed step's regions belong to no step
+            raise
         finally:
             for stage in self._stages:
                 stage.drop_weight_gradients()
             self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        busy = sum(stage.busy for stage in self._stages) + time.perf_counter() - start
-        forward_busy = sum(stage.forward_busy for stage in self._stages)
+        # Waits for this rank's last kernel (on a GPU), so the call's seconds include its compute.
+        busy = self._clock.collect()
         self._split_backwards += sum(stage.split_backwards for stage in self._stages)
         for stage in self._stages:
-            stage.busy = stage.forward_busy = 0.0
             stage.split_backwards = 0
         loss = float(sum(loss.item() for loss in losses)) if self.holds_last else None
-        return loss, busy, forward_busy, time.perf_counter() - called
+        return loss, sum(busy.values()), busy.get("forward", 0.0), time.perf_counter() - called
 
     def train_steps(
         self,

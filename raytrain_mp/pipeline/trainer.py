@@ -20,8 +20,13 @@ Invariants:
 - A rank that dies, raises or hangs surfaces as ``StageFailedError`` naming it and the step. When
   several fail, the origin is the one whose actor died, else the one that failed for its own
   reason rather than because a peer stopped answering (a receive times out after
-  ``p2p_timeout_s``); when only the latter failed, the origin is a rank that never answered. The other
-  ranks may be waiting on the failed one, so the trainer stops every rank of every replica;
+  ``p2p_timeout_s``); when only the latter failed, the origin is a rank that never answered
+  (``blame``). On NCCL a rank whose receive times out does not raise: torch's watchdog aborts its
+  process. A rank whose process ended that way, or by any signal or crash, while others stay
+  silent counts as dead only if they then fail within a receive timeout of the last failure (a
+  dead rank's peers give up on it); if they outlive that, it lost its peer, and a silent rank is
+  named as on gloo; telling the two apart costs up to one more ``p2p_timeout_s`` (and 20 s). The
+  other ranks may be waiting on the failed one, so the trainer stops every rank of every replica;
   rebuild it (from a checkpoint) to go on.
 - With replicas, a step equals gradient accumulation over all R x m micro-batches of the batch in
   order, and every replica holds the same parameters and buffers after it.
@@ -38,19 +43,19 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 import torch
-import torch.distributed as dist
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch import Tensor, nn
 
-from raytrain_mp.cluster import reachable, resolve_use_gpu, use_token_if_the_cluster_asks
+from raytrain_mp.cluster import reachable, resolve_use_gpu, use_token_if_the_cluster_asks, wait_for_autoscaler
 from raytrain_mp.errors import UsageError
 from raytrain_mp.data import read_meta
+from raytrain_mp.pipeline.blame import blame, failure_kind, unsettled
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
 from raytrain_mp.pipeline.feed import StageData, val_chunks
 from raytrain_mp.pipeline.handoff import to_wire
@@ -70,6 +75,7 @@ from raytrain_mp.pipeline.partition import (
 from raytrain_mp.pipeline.replicas import check_replicas, global_rank, replica_and_stage, replica_nodes, replica_resources, replica_shares
 from raytrain_mp.pipeline.schedule import FILL_DRAIN_SCHEDULES, check_schedule
 from raytrain_mp.pipeline.stage import StageConfig, StageWorker, check_optimizer, profile_on_stage_device
+from raytrain_mp.pipeline.teardown import stop_actors
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 _PLACEMENT_TIMEOUT_S = 120.0
@@ -77,6 +83,9 @@ TRIAL_CUTS = 3  # balance_trials: the most cuts run on the stage actors, the pro
 # After a rank fails, how long to wait for its peers' errors before naming the origin: a killed
 # actor's peer often reports the broken connection before Ray reports the death.
 _FAILURE_GRACE_S = 5.0
+# How late after a receive times out NCCL's watchdog may tear its process down: it first waits for
+# its debug dump (TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, 15 s by default).
+_WATCHDOG_DUMP_S = 15.0
 
 
 class StageFailedError(RuntimeError):
@@ -103,19 +112,6 @@ def _summary(error: BaseException) -> str:
         error = error.cause  # without Ray's traceback
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[0] if lines else repr(error)}"
-
-
-def _blame_order(error: RayError) -> int:
-    """Which failure to name first: a dead actor, then an error of the rank's own, then a rank
-    that only lost its peer: a closed connection or a timeout, which NCCL raises as
-    ``DistError`` and gloo as a ``RuntimeError`` from its transport (the message names its source
-    file, ``gloo/transport/...``)."""
-    if isinstance(error, RayActorError):
-        return 0
-    cause = error.cause if isinstance(error, RayTaskError) else None
-    if isinstance(cause, dist.DistError) or (isinstance(cause, RuntimeError) and "gloo/transport" in str(cause)):
-        return 2
-    return 1
 
 
 def _error_of(ref: ray.ObjectRef) -> RayError | None:
@@ -262,7 +258,9 @@ class PipelineTrainer:
     each rank chose). Activations and gradients travel between ranks contiguous whatever the
     layout (``memory_format.ChannelsLast``); models without 4-D activations are unaffected.
     ``use_gpu=None`` uses GPUs when the Ray cluster has one for each rank (NCCL between them; gloo
-    between CPU ranks), else CPUs. A receive that waits longer than ``p2p_timeout_s`` fails the step.
+    between CPU ranks), else CPUs. A receive that waits longer than ``p2p_timeout_s`` fails the step
+    (on NCCL by torch's watchdog ending the rank's process, its default
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING``; ``blame`` lists the modes).
 
     Models: a torchvision ResNet and an ``nn.Sequential`` are cut by their own rules (``blocks``);
     any other model is cut from its torch.fx graph at module boundaries (``traced``), which needs
@@ -355,10 +353,14 @@ class PipelineTrainer:
         # The first stage's bundle also reserves a CPU for each of its loader processes.
         loaders = data.loader_workers if data is not None else 0
         self._bundles = [{**bundle, "CPU": cpus_per_stage + loaders * (rank == 0)} for rank in range(num_stages)]
+        if wait_for_autoscaler(f"{num_replicas * num_stages} stage actors", self._bundles * num_replicas):
+            alive = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}  # with the nodes it added
+            nodes = list(alive.values())
         check_resources(nodes, self._bundles, placement_strategy, num_replicas)
 
         self.use_gpu = use_gpu
         self.clip_grad_norm = clip_grad_norm
+        self.p2p_timeout_s = p2p_timeout_s
         self.steps_done = 0  # train steps completed; the CLI sets it when resuming
         self._queued = 0  # steps submitted and not yet finished (train_steps)
         self._last_finish = 0.0
@@ -545,25 +547,52 @@ class PipelineTrainer:
             try:
                 results[done[0]] = ray.get(done[0])
                 continue
-            except RayError:
-                pass
-            if pending:  # the peers' errors, for telling the origin from ranks that lost their peer
-                ray.wait(pending, num_returns=len(pending), timeout=_FAILURE_GRACE_S)
-            finished, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            failures = [(rank, error) for rank, ref in submitted if ref in finished and (error := _error_of(ref))]
-            rank, origin = min(failures, key=lambda failure: _blame_order(failure[1]))
-            silent = [stage for stage, ref in submitted if ref not in finished]
-            if silent and _blame_order(origin) == 2:  # a peer waited in vain: name the rank that hangs
-                waited = f"stage {rank} gave up waiting for it: {_summary(origin)}"
-                rank, origin = silent[0], TimeoutError(f"it stopped answering; {waited}")
-            self.shutdown()
-            replica, stage = replica_and_stage(rank, self.num_stages)
-            replica = replica if self.num_replicas > 1 else None
-            failed = StageFailedError(stage, self.num_stages, step, origin, replica)
-            of = f" of replica {replica}" if replica is not None else ""
-            self._stopped = f"a failure of stage {stage}{of}, after which it stopped every stage actor"
-            raise failed from origin
+            except RayError as error:
+                failed = error  # raised outside the handler, so that Ray's error is not its context
+            self._fail(submitted, done[0], failed, pending, step)
         return [results[ref] for ref in refs]
+
+    def _fail(
+        self, submitted: list[tuple[int, ray.ObjectRef]], first: ray.ObjectRef, error: RayError,
+        pending: list[ray.ObjectRef], step: int | None,
+    ) -> NoReturn:
+        """Stop every rank and raise ``StageFailedError`` for the origin (``blame.blame``) of a call
+        whose ``first`` ref failed first, with ``error``. It waits for the ``pending`` refs first:
+        up to ``_FAILURE_GRACE_S`` for their errors, and while the origin is a rank that exited with
+        others silent (``blame.unsettled``), until every rank has failed or the silent ones have
+        outlived the last failure by a receive timeout (a dead rank's peers fail within one; a hung
+        rank, whose waiting peer NCCL's watchdog ended, never fails)."""
+        rank_of = {ref: rank for rank, ref in submitted}
+        failures, kinds = [(rank_of[first], error)], [(rank_of[first], failure_kind(error))]
+        last = time.monotonic()
+        grace_end, outlived = last + _FAILURE_GRACE_S, False
+        while pending:
+            waiting = unsettled(kinds, [rank_of[ref] for ref in pending])
+            deadline = max(grace_end, last + self.p2p_timeout_s + _WATCHDOG_DUMP_S + _FAILURE_GRACE_S) if waiting else grace_end
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                outlived = waiting
+                break
+            if (later := _error_of(done[0])) is not None:
+                failures.append((rank_of[done[0]], later))
+                kinds.append((rank_of[done[0]], failure_kind(later)))
+                last = time.monotonic()
+        index, hung = blame(kinds, [rank_of[ref] for ref in pending], outlived)
+        rank, origin = failures[index]
+        if hung is not None:  # its peers waited in vain: name the rank that hangs
+            origin = TimeoutError(f"it stopped answering; {self._name(rank)[2]} gave up waiting for it: {_summary(origin)}")
+            rank = hung
+        self.shutdown()
+        stage, replica, name = self._name(rank)
+        self._stopped = f"a failure of {name}, after which it stopped every stage actor"
+        raise StageFailedError(stage, self.num_stages, step, origin, replica) from origin
+
+    def _name(self, rank: int) -> tuple[int, int | None, str]:
+        """(stage, replica or None with a single one, "stage S[ of replica R]") of actor ``rank``."""
+        replica, stage = replica_and_stage(rank, self.num_stages)
+        if self.num_replicas == 1:
+            return stage, None, f"stage {stage}"
+        return stage, replica, f"stage {stage} of replica {replica}"
 
     def train_step(self, inputs: Tensor, targets: Tensor, lr: float | None = None) -> float:
         """One optimizer step on the batch (at learning rate ``lr`` when given); returns the batch
@@ -796,8 +825,9 @@ class PipelineTrainer:
         return self._actors[global_rank(replica, stage, self.num_stages)]
 
     def _stop_actors(self) -> None:
-        for actor in self._actors:
-            ray.kill(actor)
+        # Dead, not only asked to die: what comes next (the next balance trial's stages, a bench's
+        # torchrun peer) needs the GPUs and CPUs they held.
+        stop_actors(self._actors)
         self._actors = []
 
     def shutdown(self) -> None:

@@ -34,7 +34,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from raytrain_mp.cluster import cluster_totals, resolve_use_gpu
+from raytrain_mp.cluster import cluster_totals, resolve_use_gpu, wait_for_autoscaler
 from raytrain_mp.config import absolute_path, to_yaml
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.data import read_meta, resolve_dataset
@@ -147,6 +147,9 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
     """Run (or, with ``cfg.resume``, finish) the sweep on the connected cluster; write its outputs
     and return the summary. ``cfg`` must come from ``prepared``."""
     use_gpu = resolve_use_gpu(cfg.use_gpu, int(cfg.num_workers), "workers")
+    # One trial's driver and workers, waited for on a joined cluster before the concurrency counts it.
+    worker = {"CPU": cfg.cpus_per_worker, "GPU": int(use_gpu)}
+    wait_for_autoscaler(f"--num-workers {cfg.num_workers}", [{"CPU": TRIAL_DRIVER_CPUS}, *[worker] * int(cfg.num_workers)])
     max_concurrent = concurrency(cfg, *cluster_totals(), use_gpu)
     # The trials' template holds this machine's state (use_gpu, the data's cache folder); the
     # outputs' best.yaml is built from cfg.template(), the options as the user gave them.

@@ -21,7 +21,7 @@ from raytrain_mp.data.augment import SCALE, resized_crop
 from raytrain_mp.data.loader import EpochKeys, make_loader
 from raytrain_mp.data.prepare import write_dataset
 from raytrain_mp.data.sources import make_synthetic_source
-from raytrain_mp.data.transforms import crop_flip, gathered
+from raytrain_mp.data.transforms import crop_flip, gathered, normalization
 
 CPU = torch.device("cpu")
 
@@ -60,6 +60,19 @@ def test_without_augmentation_the_transform_only_normalizes(synthetic):
     images, _, params = ds.batch(range(len(ds)))
     old = PerSampleFloatDataset(synthetic, "val", dtype=torch.float64)
     assert torch.equal(ds.transform(images, params, CPU, torch.float64), torch.stack([old[i][0] for i in range(len(ds))]))
+
+
+def test_normalization_constants_are_made_once_per_device_and_dtype(synthetic):
+    ds = ParquetImageDataset(synthetic, "val")
+    normalization.cache_clear()
+    images, _, params = ds.batch(range(len(ds)))
+    for _ in range(3):
+        ds.transform(images, params, CPU, torch.float32)
+    ds.transform(images, params, CPU, torch.float64)
+    info = normalization.cache_info()
+    assert (info.misses, info.hits) == (2, 2)
+    mean, std = normalization(tuple(ds.meta.mean), tuple(ds.meta.std), CPU, torch.float64)
+    assert mean.shape == std.shape == (1, len(ds.meta.mean), 1, 1) and mean.flatten().tolist() == list(ds.meta.mean)
 
 
 def test_loader_processes_give_the_same_batches_every_epoch(synthetic):

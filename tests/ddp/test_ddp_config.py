@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import assert_usage_error, run_cli
+from helpers import assert_usage_error, run_cli, session_cpus, session_gpus
 
 
 @pytest.mark.parametrize(
@@ -126,17 +126,20 @@ def test_help_lists_defaults():
 
 
 def test_cluster_too_small(ray_session, tmp_path, capsys):
+    # Counted from the session's CPUs and GPUs, whatever machine runs the test; every global batch
+    # divides among its workers, so the check under test is the one that refuses.
     runs = tmp_path / "runs"
-    res = run_cli(capsys, "ddp", "--num-workers", "5", "--global-batch-size", "60", "--storage-path", str(runs))
-    assert_usage_error(res, "--num-workers 5 needs 5 CPUs but the Ray cluster has 4", "at most 4")
+    cpus, gpus = session_cpus(), session_gpus()
+    res = run_cli(capsys, "ddp", "--num-workers", str(cpus + 1), "--global-batch-size", str((cpus + 1) * 12), "--storage-path", str(runs))
+    assert_usage_error(res, f"--num-workers {cpus + 1} needs {cpus + 1} CPUs but the Ray cluster has {cpus}", f"at most {cpus}")
     # Each loader process reserves a CPU in its worker's bundle, beside the training process's one.
-    res = run_cli(capsys, "ddp", "--num-workers", "2", "--loader-workers", "2", "--storage-path", str(runs))
-    assert_usage_error(res, "--num-workers 2 needs 6 CPUs but the Ray cluster has 4", "at most 1")
-    # one worker more than the cluster has GPUs, whatever machine runs the test
-    gpus = int(ray_session.cluster_resources().get("GPU", 0))
+    loaders = cpus // 2
+    res = run_cli(capsys, "ddp", "--num-workers", "2", "--loader-workers", str(loaders), "--storage-path", str(runs))
+    assert_usage_error(res, f"--num-workers 2 needs {2 * (loaders + 1)} CPUs but the Ray cluster has {cpus}", f"at most {cpus // (loaders + 1)}")
+    # one worker more than the cluster has GPUs; the session's CPUs hold them all (helpers.session_cpus)
     more = str(gpus + 1)
-    res = run_cli(capsys, "ddp", "--num-workers", more, "--use-gpu", "--storage-path", str(runs))
+    res = run_cli(capsys, "ddp", "--num-workers", more, "--global-batch-size", str((gpus + 1) * 16), "--use-gpu", "--storage-path", str(runs))
     assert_usage_error(res, f"--num-workers {more} needs {more} GPUs but the Ray cluster has {gpus}", "--no-use-gpu")
-    res = run_cli(capsys, "ddp", "--num-workers", more, "--precision", "fp16", "--storage-path", str(runs))
+    res = run_cli(capsys, "ddp", "--num-workers", more, "--global-batch-size", str((gpus + 1) * 16), "--precision", "fp16", "--storage-path", str(runs))
     assert_usage_error(res, "--precision: fp16 needs CUDA")  # too few GPUs for each worker: the default picked CPUs
     assert not runs.exists()

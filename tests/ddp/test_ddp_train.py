@@ -4,7 +4,8 @@ Each fit costs ~20 s of Ray Train start-up on 2 cores, so runs are module-scoped
   fp64 on a 640/160 cut of digits, 2 epochs of 5 steps of 128: 1 worker | 2 workers |
   2 workers --no-sync-bn | 2 workers crashing once
   the same with --augment and loader processes: 1 worker with 2 | 2 workers with 1 each (2 loader
-  processes either way; 2 workers with 2 each would need 6 CPUs, the session's Ray has 4) |
+  processes either way; 2 workers with 2 each would need 6 CPUs, the session's Ray
+  has 4 where there is no GPU) |
   1 worker with 2 crashing once
   an encoded image folder (JPEG and PNG of different sizes): 2 workers, 1 loader process each
   step checkpoints every 2 steps: 2 workers crashing after step 8 (mid-epoch 2) and restarting |
@@ -44,18 +45,22 @@ def fp64_data(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def fp64_runs(ray_session, fp64_data, storage, tmp_path_factory):
+def fp64_one(ray_session, fp64_data, storage) -> dict:
+    """The 1-worker fp64 run, which the others are compared to; alone, for a test that needs only it
+    (scripts/gpu_check.sh runs the GPU one with a single CPU fit)."""
+    return fp64_fits(storage, fp64_data, {"one": ["--num-workers", "1"]})["one"]
+
+
+@pytest.fixture(scope="module")
+def fp64_runs(fp64_one, fp64_data, storage, tmp_path_factory):
     marker = tmp_path_factory.mktemp("fault") / "crashed"
     runs = {
-        "one": ["--num-workers", "1"],
         "two": ["--num-workers", "2"],
         "two_no_sync": ["--num-workers", "2", "--no-sync-bn"],
         # with a loader process per worker, kept across the restart: the same model as "two"
         "two_crash": ["--num-workers", "2", "--loader-workers", "1", "--max-failures", "1", "--inject-fault", f"1:1:{marker}"],
     }
-    results = fp64_fits(storage, fp64_data, runs)
-    results |= {"marker": marker, "data": fp64_data}
-    return results
+    return {"one": fp64_one, **fp64_fits(storage, fp64_data, runs), "marker": marker, "data": fp64_data}
 
 
 def fp64_argv(data: str, storage: str, name: str, *extra: str, use_gpu: bool = False) -> list[str]:
@@ -79,7 +84,7 @@ def loader_runs(fp64_runs, storage):
 
 def fit_on_a_larger_ray(storage: str, data: str, name: str, *extra: str) -> dict:
     """An fp64 fit on its own local Ray of 6 logical CPUs, in a subprocess: 2 workers of 2 loader
-    processes reserve 3 CPUs each, more than the session's Ray has."""
+    processes reserve 3 CPUs each, more than the session's Ray has on a CPU machine (4)."""
     import json
     import subprocess
     import sys
@@ -262,11 +267,11 @@ def test_gpu_ddp_with_nccl_native_syncbn_and_fp16(digits_dir, storage):
 
 
 @pytest.mark.gpu(1)
-def test_gpu_fp64_run_equals_the_cpu_run(fp64_runs, storage):
+def test_gpu_fp64_run_equals_the_cpu_run(fp64_one, fp64_data, storage):
     """The CUDA path (NCCL group, native SyncBatchNorm on one rank, cuDNN) computes the same
     training as the CPU path: compared in float64, where TF32 and summation order cannot hide a bug."""
-    gpu = run_cli_json(*fp64_argv(fp64_runs["data"], storage, "fp64-gpu", "--num-workers", "1", use_gpu=True))
-    assert max_abs_diff(load_model_pt(gpu), load_model_pt(fp64_runs["one"])) < 1e-9
+    gpu = run_cli_json(*fp64_argv(fp64_data, storage, "fp64-gpu", "--num-workers", "1", use_gpu=True))
+    assert max_abs_diff(load_model_pt(gpu), load_model_pt(fp64_one)) < 1e-9
 
 
 def test_checkpoints_are_named_by_epoch_and_the_lr_is_the_last_steps(fp64_runs):

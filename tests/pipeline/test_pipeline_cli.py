@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_usage_error, run_cli, run_cli_json, run_cli_text
+from helpers import assert_usage_error, run_cli, run_cli_json, run_cli_text, session_cpus, session_gpus
 from raytrain_mp.models import build_model
 from raytrain_mp.run_log import read_rows
 from raytrain_mp.storage import locate
@@ -64,8 +64,8 @@ def test_bad_inputs_before_any_actor(tiny_data, tmp_path, capsys, argv, fragment
 
 
 def test_more_stages_than_gpus(ray_session, tiny_data, tmp_path, capsys):
-    gpus = int(ray_session.cluster_resources().get("GPU", 0))
-    stages = str(max(2, gpus + 1))  # more stages than the cluster has GPUs, whatever machine runs the test
+    gpus = session_gpus()
+    stages = str(max(2, gpus + 1))  # more stages than the cluster has GPUs, which its CPUs hold (helpers.session_cpus)
     res = run_cli(capsys, "pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32",
                   "--stages", stages, "--use-gpu", "--storage-path", str(tmp_path / "runs"))  # fmt: skip
     assert_usage_error(res, "--use-gpu", f"{stages} stages need {stages} GPU (1 each); the Ray cluster has {gpus}")
@@ -73,9 +73,11 @@ def test_more_stages_than_gpus(ray_session, tiny_data, tmp_path, capsys):
 
 def test_more_replicas_than_the_cluster_holds(ray_session, tiny_data, tmp_path, capsys):
     runs = tmp_path / "runs"
-    res = run_cli(capsys, "pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32",
-                  "--replicas", "4", "--microbatches", "2", "--storage-path", str(runs))  # fmt: skip
-    assert_usage_error(res, "--cpus-per-stage: 4 replicas x 2 stages need 8 CPU (1 each); the Ray cluster has 4")
+    cpus = session_cpus()
+    replicas = cpus // 2 + 1  # of 2 stages: one replica more than the session's CPUs hold
+    res = run_cli(capsys, "pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", str(replicas * 2 * 4),
+                  "--replicas", str(replicas), "--microbatches", "2", "--storage-path", str(runs))  # fmt: skip
+    assert_usage_error(res, f"--cpus-per-stage: {replicas} replicas x 2 stages need {2 * replicas} CPU (1 each); the Ray cluster has {cpus}")
     assert not runs.exists()
 
 

@@ -141,12 +141,12 @@ class _Spy:
 def trainer_for(images: str, ray_session: object) -> Iterator:
     """A trainer per layout (virtual stages, replicas), made once and reset to its initial state
     for each use: 2 ranks, one loader process on the first (3 CPUs); with 2 replicas none (4 CPUs,
-    the session's; a replica's result does not depend on who reads, which this also checks)."""
+    the least the session has; a replica's result does not depend on who reads, which this also checks)."""
     made: dict[tuple[int, int], tuple[PipelineTrainer, dict, list]] = {}
 
     def trainer_for(schedule: str, virtual: int, replicas: int) -> PipelineTrainer:
         if (virtual, replicas) not in made:
-            for trainer, _, _ in made.values():  # the session's 4 CPUs hold one of them at a time
+            for trainer, _, _ in made.values():  # the session's CPUs (4 on a CPU machine) hold one at a time
                 trainer.shutdown()
             made.clear()
             data = StageData(images, BATCH, seed=SEED, augment=True, loader_workers=int(replicas == 1), val_batch_size=16)

@@ -2,7 +2,7 @@
 gradients over all R x m micro-batches in batch order.
 
 The pure layout, batch sharing, node choice and BatchNorm algebra are tested without Ray; then
-real replicas over gloo (CPU) on the session's 4 CPUs: ResNet-18 at 64x64 as in
+real replicas over gloo (CPU) on the session's CPUs (4 where there is no GPU): ResNet-18 at 64x64 as in
 ``test_pipeline_trainer`` (whose single-process reference this reuses), float64 to 1e-10 and
 float32's first step to 1e-5, plus deferred BatchNorm with clipping, bad input and a killed actor.
 """
@@ -17,7 +17,7 @@ import ray
 import torch
 from torch import nn
 
-from helpers import kill_actor
+from helpers import kill_actor, session_cpus
 from raytrain_mp.errors import UsageError
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError, convert_deferred_batchnorm, split_batch
@@ -206,9 +206,11 @@ def test_bad_replicas_fail_before_any_actor(ray_session: object) -> None:
     actors_before = len(ray.util.list_named_actors(all_namespaces=True)), len(ray.util.placement_group_table())
     with pytest.raises(UsageError, match=r"^num_replicas: must be a whole number >= 1, got 0$"):
         PipelineTrainer(model, 2, num_replicas=0)
+    cpus = session_cpus()
+    replicas = cpus // 2 + 1  # of 2 stages: one replica more than the session's CPUs hold
     with pytest.raises(UsageError) as info:
-        PipelineTrainer(model, 2, num_replicas=3, use_gpu=False)  # 6 actors, 4 CPUs
-    assert str(info.value) == "cpus_per_stage: 3 replicas x 2 stages need 6 CPU (1 each); the Ray cluster has 4"
+        PipelineTrainer(model, 2, num_replicas=replicas, use_gpu=False)
+    assert str(info.value) == f"cpus_per_stage: {replicas} replicas x 2 stages need {2 * replicas} CPU (1 each); the Ray cluster has {cpus}"
     assert (len(ray.util.list_named_actors(all_namespaces=True)), len(ray.util.placement_group_table())) == actors_before
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import kill_actor
+from helpers import kill_actor, session_cpus, session_gpus
 from raytrain_mp.errors import UsageError
 from raytrain_mp.models import build_model
 from raytrain_mp.optim import build_optimizer
@@ -34,12 +34,14 @@ from raytrain_mp.pipeline import trainer as trainer_module
 from raytrain_mp.pipeline.blocks import flatten_model
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm
 from raytrain_mp.pipeline.partition import balance_bounds, cut_score, rescale_to_measured, split_bounds
+from raytrain_mp.pipeline.stage import StageWorker
 from raytrain_mp.pipeline.trainer import check_resources
 
 BATCH, SIZE = 20, 64
 SCHEDULES_OF = {1: ("gpipe", "1f1b"), 2: ("interleaved-1f1b", "interleaved-zb")}  # by virtual stages
 CASES = [(schedule, m) for schedule in (*SCHEDULES_OF[1], *SCHEDULES_OF[2]) for m in (4, 5)]
 LRS = [0.05, 0.03, 0.02]  # set per step, as a learning-rate schedule would
+OVER_HALF = session_cpus() // 2 + 1  # CPUs per stage that 2 stages cannot get on the session's Ray
 
 
 def _model(dtype: torch.dtype) -> nn.Module:
@@ -375,6 +377,40 @@ def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) 
     )
 
 
+def test_a_hanging_stage_is_named_when_its_peer_aborts_as_on_nccl(ray_session: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trainer_module, "_WATCHDOG_DUMP_S", 0.0)  # this abort waits for no debug dump
+    monkeypatch.setattr(trainer_module, "_FAILURE_GRACE_S", 1.0)  # stage 1 never answers: no race to wait out
+
+    # Stage 0 ends its process where its step raises (a timed-out receive among the causes), as NCCL's
+    # watchdog does where gloo raises. Defined here, not at module level, so that Ray ships it by value.
+    def abort_when_a_step_fails(worker: StageWorker) -> None:
+        step = worker.train_step
+
+        def train_step(*args: object, **kwargs: object) -> tuple[float | None, float, float, float]:
+            try:
+                return step(*args, **kwargs)
+            except RuntimeError:
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file where the worker runs
+                os.abort()
+
+        worker.train_step = train_step  # train_steps calls it through the instance
+
+    model, x, y = _tiny()
+    with PipelineTrainer(model, 2, num_microbatches=2, p2p_timeout_s=3, use_gpu=False) as pipeline:
+        pipeline.train_step(x, y)
+        ray.get(pipeline.actor(0).__ray_call__.remote(abort_when_a_step_fails))
+        pid = ray.get(pipeline.actor(1).__ray_call__.remote(lambda worker: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)  # alive, but it never answers again
+        with pytest.raises(StageFailedError) as info:
+            pipeline.train_step(x, y)
+    assert (info.value.stage, info.value.step) == (1, 2)
+    assert str(info.value).startswith(
+        "pipeline stage 1 (of stages 0-1) failed at step 2: TimeoutError: it stopped answering; "
+        "stage 0 gave up waiting for it: its actor died: "
+    )
+    assert "Worker exit type: SYSTEM_ERROR" in str(info.value)  # stage 0 aborted, it did not raise
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -407,7 +443,7 @@ def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) 
         ({"p2p_timeout_s": 0}, "p2p_timeout_s: must be > 0 seconds, got 0"),
         ({"memory_format": "nhwc"}, "memory_format: unknown layout 'nhwc'; accepted: auto, channels_last, contiguous"),
         ({"cpus_per_stage": 0}, "cpus_per_stage: must be a whole number >= 1, got 0"),
-        ({"cpus_per_stage": 3}, "cpus_per_stage: 2 stages need 6 CPU (3 each); the Ray cluster has 4"),
+        ({"cpus_per_stage": OVER_HALF}, f"cpus_per_stage: 2 stages need {2 * OVER_HALF} CPU ({OVER_HALF} each); the Ray cluster has {session_cpus()}"),
         ({"placement_strategy": "RANDOM"},
          "placement_strategy: unknown strategy 'RANDOM'; accepted: STRICT_PACK, PACK, SPREAD, STRICT_SPREAD"),
     ],
@@ -426,8 +462,8 @@ def test_bad_input_fails_before_any_actor(
 
 
 def test_more_stages_than_gpus_fails_before_any_actor(ray_session: object) -> None:
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    stages = max(2, gpus + 1)  # whatever machine runs the test
+    gpus = session_gpus()
+    stages = max(2, gpus + 1)  # whatever machine runs the test; the session's CPUs hold them (helpers.session_cpus)
     with pytest.raises(UsageError) as info:
         PipelineTrainer(build_model("resnet18", 10, in_channels=1, small_stem=True), stages, use_gpu=True)
     assert str(info.value) == f"use_gpu: {stages} stages need {stages} GPU (1 each); the Ray cluster has {gpus}"

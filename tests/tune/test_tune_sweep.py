@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import assert_usage_error, run_cli, run_cli_json, write_digits_cut
+from helpers import assert_usage_error, run_cli, run_cli_json, session_cpus, session_gpus, write_digits_cut
 from raytrain_mp.cli import main
 from raytrain_mp.config import build_config
 from raytrain_mp.ddp.config import DDPConfig
@@ -194,17 +194,23 @@ def test_ddp_runs_the_best_yaml(sweep, tmp_path):
 @pytest.mark.parametrize(
     "argv, fragments",
     [
-        (["--num-workers", "4", "--no-use-gpu"], ["--num-workers 4: a trial needs 5 CPUs (1 for its driver + 4 x --cpus-per-worker 1)", "has 4", "at most 3 workers"]),
-        (["--num-workers", "1", "--max-concurrent-trials", "3", "--no-use-gpu"], ["--max-concurrent-trials: 3 trials do not fit", "at most 2"]),
+        (["--num-workers", "{cpus}", "--no-use-gpu"], ["--num-workers {cpus}: a trial needs {cpus+1} CPUs (1 for its driver + {cpus} x --cpus-per-worker 1)", "has {cpus}", "at most {cpus-1} workers"]),
+        (["--num-workers", "1", "--max-concurrent-trials", "{cpus//2+1}", "--no-use-gpu"], ["--max-concurrent-trials: {cpus//2+1} trials do not fit", "at most {cpus//2}"]),
         (["--num-workers", "{gpus+1}", "--use-gpu"], ["--num-workers {gpus+1}: a trial needs {gpus+1} GPUs but the Ray cluster has {gpus}"]),
     ],
+    ids=["workers-over-cpus", "trials-over-cpus", "workers-over-gpus"],
 )
 def test_trials_larger_than_the_cluster(ray_session, small_digits, tmp_path, capsys, argv, fragments):
-    # "{gpus+1}": one worker more than the cluster has GPUs, whatever machine runs the test
-    gpus = int(ray_session.cluster_resources().get("GPU", 0))
-    argv, fragments = ([text.format_map({"gpus": gpus, "gpus+1": gpus + 1}) for text in texts] for texts in (argv, fragments))
+    # Counts from the session's CPUs and GPUs, whatever machine runs the test: "{gpus+1}" is one
+    # worker more than the cluster has GPUs, which its CPUs hold beside the driver
+    # (helpers.session_cpus). The global batch divides among the workers, so the check under test
+    # is the one that refuses.
+    cpus, gpus = session_cpus(), session_gpus()
+    counts = {"cpus": cpus, "cpus+1": cpus + 1, "cpus-1": cpus - 1, "cpus//2": cpus // 2, "cpus//2+1": cpus // 2 + 1, "gpus": gpus, "gpus+1": gpus + 1}
+    argv, fragments = ([text.format_map(counts) for text in texts] for texts in (argv, fragments))
+    batch = 16 * int(argv[argv.index("--num-workers") + 1])
     runs = tmp_path / "runs"
-    res = run_cli(capsys, "tune", "--data", small_digits, "--storage-path", str(runs), "--global-batch-sizes", "64", *argv)
+    res = run_cli(capsys, "tune", "--data", small_digits, "--storage-path", str(runs), "--global-batch-sizes", str(batch), *argv)
     assert_usage_error(res, *fragments)
     assert not runs.exists()  # no trial started, nothing written
 
