@@ -30,10 +30,12 @@ step() {
     shift 2
     local started=$SECONDS rc status=passed why=""
     echo "== $name: $*"
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    # SIGTERM at the limit, SIGKILL 15 s later: on the H200 a `bench ddp` whose Ray head processes
+    # got the SIGTERM too waited 60 s for its GCS before exiting (141 s against a limit of 80)
+    timeout -k 15 "$limit" "$@" >"$out/$name.log" 2>&1
     rc=$?
     [ "$rc" -ne 0 ] && status=failed
-    [ "$rc" -eq 124 ] && why="timed out after $limit s"
+    [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && why="timed out after $limit s"
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" "$status" "$why" "$*" >>"$steps"
     tail -n 3 "$out/$name.log"
 }
