@@ -15,7 +15,7 @@ import os
 import platform
 import resource
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 
@@ -362,16 +362,24 @@ def test_a_killed_stage_is_named(ray_session: object) -> None:
     _assert_stopped(pipeline, model, x, y, "a failure of stage 0, after which it stopped every stage actor")
 
 
-def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) -> None:
+def _stage_1_hangs_in_step_2(prepare_stage_0: Callable[[StageWorker], None] | None = None) -> StageFailedError:
+    """The error of a 2-stage pipeline's second step, in which stage 1 stops answering (SIGSTOP:
+    alive, silent), stage 0 first changed by ``prepare_stage_0``; it must name stage 1 at step 2."""
     model, x, y = _tiny()
     with PipelineTrainer(model, 2, num_microbatches=2, p2p_timeout_s=3, use_gpu=False) as pipeline:
         pipeline.train_step(x, y)
+        if prepare_stage_0 is not None:
+            ray.get(pipeline.actor(0).__ray_call__.remote(prepare_stage_0))
         pid = ray.get(pipeline.actor(1).__ray_call__.remote(lambda worker: os.getpid()))
-        os.kill(pid, signal.SIGSTOP)  # alive, but it never answers again
+        os.kill(pid, signal.SIGSTOP)
         with pytest.raises(StageFailedError) as info:
             pipeline.train_step(x, y)
     assert (info.value.stage, info.value.step) == (1, 2)
-    assert str(info.value).startswith(
+    return info.value
+
+
+def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) -> None:
+    assert str(_stage_1_hangs_in_step_2()).startswith(
         "pipeline stage 1 (of stages 0-1) failed at step 2: TimeoutError: it stopped answering; "
         "stage 0 gave up waiting for it: "
     )
@@ -395,20 +403,12 @@ def test_a_hanging_stage_is_named_when_its_peer_aborts_as_on_nccl(ray_session: o
 
         worker.train_step = train_step  # train_steps calls it through the instance
 
-    model, x, y = _tiny()
-    with PipelineTrainer(model, 2, num_microbatches=2, p2p_timeout_s=3, use_gpu=False) as pipeline:
-        pipeline.train_step(x, y)
-        ray.get(pipeline.actor(0).__ray_call__.remote(abort_when_a_step_fails))
-        pid = ray.get(pipeline.actor(1).__ray_call__.remote(lambda worker: os.getpid()))
-        os.kill(pid, signal.SIGSTOP)  # alive, but it never answers again
-        with pytest.raises(StageFailedError) as info:
-            pipeline.train_step(x, y)
-    assert (info.value.stage, info.value.step) == (1, 2)
-    assert str(info.value).startswith(
+    message = str(_stage_1_hangs_in_step_2(abort_when_a_step_fails))
+    assert message.startswith(
         "pipeline stage 1 (of stages 0-1) failed at step 2: TimeoutError: it stopped answering; "
         "stage 0 gave up waiting for it: its actor died: "
     )
-    assert "Worker exit type: SYSTEM_ERROR" in str(info.value)  # stage 0 aborted, it did not raise
+    assert "Worker exit type: SYSTEM_ERROR" in message  # stage 0 aborted, it did not raise
 
 
 @pytest.mark.parametrize(
