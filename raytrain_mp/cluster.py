@@ -277,7 +277,8 @@ def wait_for_autoscaler(what: str, bundles: Sequence[Mapping[str, float]]) -> bo
     nodes up, and paid for, after the job, or launch them for a job that gave up. The job's own
     placement groups hold the nodes from seconds after the wait; ``idle_timeout_minutes`` covers the
     gap. The request is the cluster's one: clearing it also clears another driver's."""
-    need = summed([{k: float(v) for k, v in bundle.items() if v} for bundle in bundles])
+    bundles = [{k: v for k, v in bundle.items() if v} for bundle in bundles]  # a zero amount asks for nothing
+    need = summed(bundles)
     have = dict(zip(("CPU", "GPU"), cluster_totals()))
     if not missing(need, have) or not joined_cluster():
         return False
@@ -287,7 +288,7 @@ def wait_for_autoscaler(what: str, bundles: Sequence[Mapping[str, float]]) -> bo
     from ray.autoscaler.sdk import request_resources
 
     print(waiting_line(what, need, have, wait_s), file=sys.stderr, flush=True)
-    request_resources(bundles=[{k: v for k, v in bundle.items() if v} for bundle in bundles])
+    request_resources(bundles=bundles)
     try:
         deadline = time.monotonic() + wait_s
         while missing(need, dict(zip(("CPU", "GPU"), cluster_totals()))) and time.monotonic() < deadline:

@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from raytrain_mp.cluster import reachable, resolve_use_gpu, use_token_if_the_cluster_asks, wait_for_autoscaler
 from raytrain_mp.errors import UsageError
 from raytrain_mp.data import read_meta
-from raytrain_mp.pipeline.blame import blame, failure_kind, unsettled
+from raytrain_mp.pipeline.blame import Kind, blame, failure_kind, unsettled
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
 from raytrain_mp.pipeline.feed import StageData, val_chunks
 from raytrain_mp.pipeline.handoff import to_wire
@@ -563,11 +563,15 @@ class PipelineTrainer:
         outlived the last failure by a receive timeout (a dead rank's peers fail within one; a hung
         rank, whose waiting peer NCCL's watchdog ended, never fails)."""
         rank_of = {ref: rank for rank, ref in submitted}
-        failures, kinds = [(rank_of[first], error)], [(rank_of[first], failure_kind(error))]
+        failures = [(rank_of[first], error)]
+
+        def kinds() -> list[tuple[int, Kind]]:
+            return [(rank, failure_kind(failure)) for rank, failure in failures]
+
         last = time.monotonic()
         grace_end, outlived = last + _FAILURE_GRACE_S, False
         while pending:
-            waiting = unsettled(kinds, [rank_of[ref] for ref in pending])
+            waiting = unsettled(kinds(), [rank_of[ref] for ref in pending])
             deadline = max(grace_end, last + self.p2p_timeout_s + _WATCHDOG_DUMP_S + _FAILURE_GRACE_S) if waiting else grace_end
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
@@ -575,9 +579,8 @@ class PipelineTrainer:
                 break
             if (later := _error_of(done[0])) is not None:
                 failures.append((rank_of[done[0]], later))
-                kinds.append((rank_of[done[0]], failure_kind(later)))
                 last = time.monotonic()
-        index, hung = blame(kinds, [rank_of[ref] for ref in pending], outlived)
+        index, hung = blame(kinds(), [rank_of[ref] for ref in pending], outlived)
         rank, origin = failures[index]
         if hung is not None:  # its peers waited in vain: name the rank that hangs
             origin = TimeoutError(f"it stopped answering; {self._name(rank)[2]} gave up waiting for it: {_summary(origin)}")
