@@ -2,19 +2,22 @@
 # Everything GPU-related, on whatever CUDA GPUs this machine has, in one command:
 #   scripts/gpu_check.sh [OUT]        (OUT defaults to ./gpu_check)
 # Steps: the tests marked `gpu` (NCCL DDP, native SyncBatchNorm, fp16, NCCL pipeline stages; each
-# skips with its reason where there are too few GPUs), the main job on one GPU, `bench ddp` and
-# `bench pipeline` on GPUs (nn.DataParallel and the pipeline need 2+), and the data path's GPU check
-# (scripts/gpu_check_data.py: device transforms vs the CPU, nvJPEG decode, how data-bound
-# `ddp --use-gpu` is). Each step's output goes to OUT/STEP.log; OUT/gpu_check.json is the report:
-# per step the command, exit code, seconds, status (passed, failed, skipped) and the reason of a
-# skip. Exit code 1 when a step failed.
+# skips with its reason where there are too few GPUs), one Ray head for the steps after it,
+# `bench ddp` and `bench pipeline` on GPUs (nn.DataParallel and the pipeline need 2+), and the data
+# path's GPU check (scripts/gpu_check_data.py: device transforms vs the CPU, nvJPEG decode, and
+# `raytrain-mp ddp --use-gpu --num-workers 1` end to end, which is the main job's path on one GPU).
+# Each step's output goes to OUT/STEP.log; OUT/gpu_check.json is the report: per step the command,
+# exit code, seconds, status (passed, failed, skipped) and the reason of a skip. Exit code 1 when a
+# step failed.
 # Budget: 8 minutes on one GPU box with 16 CPU cores (an H200), all steps together: each `step`
 # line's limit (seconds) is its share, and they add up to at most 480
 # (tests/test_gpu_readiness.py parses them). The benches therefore run reduced settings, chosen
 # so that start-ups (Ray actors, Ray Train fits, torchrun with NCCL), not steps, fill the time:
 # on a GPU a step of these models takes milliseconds, and every extra round, schedule or layout
 # is another start-up. The full-size runs are `raytrain-mp bench ...` with their defaults
-# (`bench pipeline` with all of them took 1915 s on CPU).
+# (`bench pipeline` with all of them took 1915 s on CPU). The steps after `tests` join one Ray
+# head (RAY_ADDRESS) instead of each starting and stopping a local Ray: on the H200 (gVisor, where
+# starting processes is slow) the three steps that started their own ran past their limits.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-gpu_check}
@@ -23,6 +26,10 @@ steps="$out/steps.tsv"
 : >"$steps"
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 cpus=$(python -c "import os; print(os.cpu_count())")
+
+free_port() {
+    python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
+}
 
 # step NAME TIMEOUT_S COMMAND...: run it, log it, record "name rc seconds status reason command"
 step() {
@@ -50,26 +57,41 @@ skipped() {
 
 step tests 170 python -m pytest -m gpu -v -rs -p no:cacheprovider tests
 if [ "$gpus" -ge 1 ]; then
-    step main_job_1_gpu 50 raytrain-mp ddp --use-gpu --num-workers 1 --epochs 1 --storage-path "$out/runs" --name main-gpu --json
+    # its own temp dir names every process of this Ray in its command line, so the exit trap ends
+    # exactly those (never another Ray's, as `ray stop` would), and `address=auto` elsewhere never
+    # finds this head after it is gone. Ray Train's placement-group cleaner, an actor, looks for the
+    # state API through `auto` too (so in /tmp/ray, not here: 40 s timeouts and a 12 s stall at the
+    # end of every fit) unless RAY_API_SERVER_ADDRESS, which every process of the head inherits, names it.
+    ray_tmp=$(mktemp -d /tmp/gpu-check-ray.XXXXXX)
+    trap 'pkill -KILL -f "$ray_tmp"; rm -rf "$ray_tmp"' EXIT
+    port=$(free_port) dashboard_port=$(free_port)
+    RAY_API_SERVER_ADDRESS="http://127.0.0.1:$dashboard_port" RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0 \
+        step ray_head 40 ray start --head --port "$port" --dashboard-port "$dashboard_port" --num-cpus "$cpus" --num-gpus "$gpus" \
+        --temp-dir "$ray_tmp" --disable-usage-stats
+    if [ "$(tail -n 1 "$steps" | cut -f 4)" = passed ]; then
+        export RAY_ADDRESS="127.0.0.1:$port"
+        # the head has the GPUs the steps ask for: a request it cannot meet fails at once, not after a wait
+        export RAYTRAIN_MP_AUTOSCALE_WAIT_S=0
+    fi
     workers=$([ "$gpus" -ge 2 ] && echo 1,2 || echo 1)
-    step bench_ddp 80 raytrain-mp bench ddp --use-gpu --num-workers "$workers" --cpus-per-worker 2 --batch-size-per-worker 128 \
+    step bench_ddp 90 raytrain-mp bench ddp --use-gpu --num-workers "$workers" --cpus-per-worker 2 --batch-size-per-worker 128 \
         --steps 20 --warmup 5 --out "$out/bench_ddp"
 else
-    skipped main_job_1_gpu "no CUDA GPU" raytrain-mp ddp --use-gpu --num-workers 1
+    skipped ray_head "no CUDA GPU" ray start --head --num-gpus 0
     skipped bench_ddp "no CUDA GPU" raytrain-mp bench ddp --use-gpu
 fi
 if [ "$gpus" -ge 2 ]; then
     # every case of the bench, each once and small: one round of ours vs native (--resnet-rounds 1,
     # --overhead-rounds 1), m of 2 and 8 (1F1B needs m >= stages; the summary's overhead ratio is
     # at m=8), one timed trial of a balanced cut, one plain and one interleaved overhead schedule
-    step bench_pipeline 90 raytrain-mp bench pipeline --use-gpu --stages 2 --cpus-per-stage 2 --threads 4 --microbatches 2,8 \
+    step bench_pipeline 80 raytrain-mp bench pipeline --use-gpu --stages 2 --cpus-per-stage 2 --threads 4 --microbatches 2,8 \
         --steps 5 --warmup 2 --resnet-rounds 1 --balance-trials 1 --overhead-rounds 1 --overhead-steps 10 \
         --overhead-microbatches 2,8 --overhead-schedules gpipe,interleaved-1f1b --out "$out/bench_pipeline"
 else
     skipped bench_pipeline "2 stages need 2 GPUs (one each); this machine has $gpus" raytrain-mp bench pipeline --use-gpu --stages 2
 fi
 if [ -f scripts/gpu_check_data.py ]; then
-    step data_path 90 python scripts/gpu_check_data.py --out "$out/data_path"
+    step data_path 100 python scripts/gpu_check_data.py --out "$out/data_path"
 fi
 
 python - "$out" "$gpus" "$cpus" <<'EOF'

@@ -108,7 +108,7 @@ def test_gpu_check_reports_what_it_ran_and_what_it_skipped(tmp_path) -> None:
     steps = {step["name"]: step for step in report["steps"]}
     assert (steps["tests"]["status"], steps["tests"]["returncode"]) == ("passed", 0)
     assert re.search(r"\d+ skipped", (tmp_path / "out" / "tests.log").read_text())  # the gpu tests, each with its reason
-    for name in ("main_job_1_gpu", "bench_ddp"):
+    for name in ("ray_head", "bench_ddp"):
         assert (steps[name]["status"], steps[name]["reason"]) == ("skipped", "no CUDA GPU"), name
     assert steps["bench_pipeline"]["reason"] == "2 stages need 2 GPUs (one each); this machine has 0"
     assert steps["data_path"]["status"] == "passed"  # scripts/gpu_check_data.py skips by itself, exit 0
