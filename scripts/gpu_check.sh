@@ -27,11 +27,8 @@ steps="$out/steps.tsv"
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 cpus=$(python -c "import os; print(os.cpu_count())")
 
-free_port() {
-    python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
-}
-
-# step NAME TIMEOUT_S COMMAND...: run it, log it, record "name rc seconds status reason command"
+# step NAME TIMEOUT_S COMMAND...: run it, log it, record "name rc seconds status reason command";
+# returns the command's exit code
 step() {
     local name=$1 limit=$2
     shift 2
@@ -45,6 +42,7 @@ step() {
     [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && why="timed out after $limit s"
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" "$status" "$why" "$*" >>"$steps"
     tail -n 3 "$out/$name.log"
+    return "$rc"
 }
 
 # skipped NAME REASON COMMAND...: record a step that cannot run on this machine, and why
@@ -64,15 +62,12 @@ if [ "$gpus" -ge 1 ]; then
     # end of every fit) unless RAY_API_SERVER_ADDRESS, which every process of the head inherits, names it.
     ray_tmp=$(mktemp -d /tmp/gpu-check-ray.XXXXXX)
     trap 'pkill -KILL -f "$ray_tmp"; rm -rf "$ray_tmp"' EXIT
-    port=$(free_port) dashboard_port=$(free_port)
+    read -r port dashboard_port < <(python -c "from raytrain_mp.cluster import free_port; print(free_port(), free_port())")
+    # once the head is up, the steps join it; its GPUs are the ones they ask for, so a request it
+    # cannot meet fails at once instead of waiting for an autoscaler
     RAY_API_SERVER_ADDRESS="http://127.0.0.1:$dashboard_port" RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0 \
         step ray_head 40 ray start --head --port "$port" --dashboard-port "$dashboard_port" --num-cpus "$cpus" --num-gpus "$gpus" \
-        --temp-dir "$ray_tmp" --disable-usage-stats
-    if [ "$(tail -n 1 "$steps" | cut -f 4)" = passed ]; then
-        export RAY_ADDRESS="127.0.0.1:$port"
-        # the head has the GPUs the steps ask for: a request it cannot meet fails at once, not after a wait
-        export RAYTRAIN_MP_AUTOSCALE_WAIT_S=0
-    fi
+        --temp-dir "$ray_tmp" --disable-usage-stats && export RAY_ADDRESS="127.0.0.1:$port" RAYTRAIN_MP_AUTOSCALE_WAIT_S=0
     workers=$([ "$gpus" -ge 2 ] && echo 1,2 || echo 1)
     step bench_ddp 90 raytrain-mp bench ddp --use-gpu --num-workers "$workers" --cpus-per-worker 2 --batch-size-per-worker 128 \
         --steps 20 --warmup 5 --out "$out/bench_ddp"

@@ -7,7 +7,6 @@ import copy
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import yaml
 
 from helpers import auth_mode_after_probe
+from raytrain_mp.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,12 +102,6 @@ def test_readme_jobs_can_be_placed_on_the_cluster_node_types():
     old["available_node_types"]["gpu_worker"]["resources"] = {"CPU": 8, "GPU": AWS_GPUS["g5.2xlarge"]}
     problems = unplaceable_jobs(old)
     assert any(p.startswith("jobs/pipeline_resnet.py --stages 2 --use-gpu") and "2 GPUs on one node" in p for p in problems), problems
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
