@@ -2,10 +2,10 @@
 
 Job: join the process group torchrun describes (NCCL with one GPU per rank when the settings'
 ``use_gpu`` says so, gloo on CPUs otherwise) and, for each case of the settings in turn (``resnet``: the
-seeds'-split layout's stages, ``bench.pipeline.resnet_case``; ``overhead``: the tiny MLP of the
-overhead case, ``overhead_case``), build the same
-seeded model and batch as ``bench.pipeline`` (the case names ``seeded_setup`` or ``seeded_mlp``
-and its arguments), take this rank's stage of the case's block names (``stage_modules``), wrap it
+seeds'-split layout's stages, ``bench.pipeline.native.resnet_case``; ``overhead``: the tiny MLP
+of the overhead case, ``bench.pipeline.overhead.overhead_case``), build the same seeded model and
+batch as ``bench.pipeline`` (``bench.pipeline.shared``; the case names ``seeded_setup`` or
+``seeded_mlp`` and its arguments), take this rank's stage of the case's block names (``stage_modules``), wrap it
 in ``PipelineStage`` and time one training step (``schedule.step``, then SGD with
 ``bench.pipeline``'s lr and momentum) under ``ScheduleGPipe``, ``Schedule1F1B`` and, with the
 model cut into ranks x 2 chunks of which rank r holds r and r + ranks, ``ScheduleInterleaved1F1B``
@@ -26,8 +26,7 @@ Invariants:
   first, ``steps`` rounded up to whole groups): the way ours' queued figure times K steps a Ray
   call, so both are means over K steps and their medians compare. (They are not the same
   statistic as a median of single steps, which drops the slowest steps where a mean over K keeps
-  them; in the committed run back to back / per step was 0.97-1.03 at m=8 and 0.92-1.22 over
-  every point.)
+  them; docs/performance.md, the overhead-bound case, has how far apart they came out.)
 - Each (schedule, m) gets a fresh ``PipelineStage``: the stage infers its shapes from the first
   micro-batch of its first step (a real forward and backward, which warm-up absorbs). The model
   and optimizer state carry over, as they do across our trainer's sweep.
@@ -53,7 +52,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from raytrain_mp.bench.common import join_torchrun_group, summarize, timed
-from raytrain_mp.bench.pipeline import seeded_mlp, seeded_setup, sgd, stage_modules, virtual_stages
+from raytrain_mp.bench.pipeline.shared import seeded_mlp, seeded_setup, sgd, stage_modules, virtual_stages
 from raytrain_mp.pipeline.memory_format import in_layout
 from raytrain_mp.pipeline.stage import TORCH_SCHEDULES
 SETUPS = {"seeded_setup": seeded_setup, "seeded_mlp": seeded_mlp}

@@ -386,7 +386,7 @@ def test_bench_refuses_gpus_that_are_not_there(capsys, tmp_path):
 
 
 def test_hybrid_layouts_cover_every_factoring_of_the_workers():
-    from raytrain_mp.bench.pipeline import hybrid_layouts
+    from raytrain_mp.bench.pipeline.hybrid import hybrid_layouts
 
     assert hybrid_layouts(2) == [(2, 1), (1, 2)]  # pure data parallel, pure pipeline
     assert hybrid_layouts(4) == [(4, 1), (2, 2), (1, 4)]
@@ -394,7 +394,7 @@ def test_hybrid_layouts_cover_every_factoring_of_the_workers():
 
 
 def test_rounds_pool_each_points_samples_and_keep_the_rounds_medians():
-    from raytrain_mp.bench.pipeline import pooled
+    from raytrain_mp.bench.pipeline.shared import pooled
 
     def run(m: int, steps: list[float], extra: dict) -> dict:
         return {"schedule": "gpipe", "microbatches": m, "step_seconds": {"median": sorted(steps)[len(steps) // 2]},
@@ -433,7 +433,7 @@ def test_timeline_script_records_every_op_of_both_runtimes(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     recorded = [json.loads(line) for path in (tmp_path / "spans").glob("*.jsonl") for line in path.read_text().splitlines()]
-    # ours: one step a call, then queued (bench.pipeline.pipeline_run), each warm-up + steps; torch: warm-up + steps
+    # ours: one step a call, then queued (bench.pipeline.timing.pipeline_run), each warm-up + steps; torch: warm-up + steps
     per_rank = {"ours": rounds * 2 * (warmup + steps), "torch": rounds * (warmup + steps)}
     for runtime, count in per_rank.items():
         for schedule in ("gpipe", "1f1b"):
