@@ -18,6 +18,9 @@ three files are there and: in a run Ray Train kept (ddp, a sweep's trial), it is
 ``checkpoint_manager_snapshot.json`` (Ray records a checkpoint only after its upload, which is no
 rename, also locally); in a pipeline run, it is local (renamed into place) or has the ``.complete``
 marker it is uploaded with last.
+
+A run a signal stopped is told by its last published checkpoint (``interrupted_line``): the one a
+rerun continues from.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from raytrain_mp.storage import COMPLETE_MARKER, Location, download_folder
+from raytrain_mp.interruption import Interrupted
+from raytrain_mp.storage import COMPLETE_MARKER, Location, download_folder, name_of
 
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
@@ -157,3 +161,15 @@ def published_checkpoints(run: Location) -> tuple[list[Location], list[Location]
     candidates = run.folders(CHECKPOINT_PREFIX, checkpoint_order)
     registered = ray_registered(run)
     return candidates, [folder for folder in candidates if is_published(folder, registered)]
+
+
+def interrupted_line(exc: Interrupted) -> str:
+    """``interrupted at epoch E step S; the last checkpoint is URI; rerun the same command with
+    --name NAME to continue`` (the name: a made-up one is in no command the user typed)."""
+    where = f" at epoch {exc.at[0]} step {exc.at[1]}" if exc.at else ""
+    if exc.run is None:
+        return f"interrupted{where}"
+    published = published_checkpoints(exc.run)[1] if exc.run.exists() else []
+    last = f"the last checkpoint is {published[-1].uri}" if published else "no checkpoint was written yet"
+    again = "continue" if published else "start over"
+    return f"interrupted{where}; {last}; rerun the same command with --name {name_of(exc.run.uri)} to {again}"

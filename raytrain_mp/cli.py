@@ -255,7 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted as exc:  # the command has unwound: its workers and a Ray it started are stopped
-        print(f"{PROG}: {exc.line()}", file=sys.stderr, flush=True)
+        from raytrain_mp.checkpointing import interrupted_line
+
+        print(f"{PROG}: {interrupted_line(exc)}", file=sys.stderr, flush=True)
         return exc.exit_code
 
 

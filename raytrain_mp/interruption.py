@@ -1,11 +1,11 @@
-"""Ctrl-C (SIGINT) and SIGTERM during a command: stop, and say in one line where the run stands.
+"""Ctrl-C (SIGINT) and SIGTERM during a command: stop it with an exception that carries where the run stands.
 
 - ``signals_interrupt()`` makes SIGINT and SIGTERM raise ``Interrupted`` in the main thread while a
   command runs (Python's own SIGINT handling raises ``KeyboardInterrupt``; SIGTERM's default kills
   the process without any cleanup). ``Interrupted`` is a ``BaseException``, as ``KeyboardInterrupt``
   is, so no ``except Exception`` on its way treats it as a failure to retry.
 - A training command adds what it knows as the exception passes (``Interrupted.at``, the run
-  folder); ``cli`` prints ``Interrupted.line()`` once the command
+  folder); ``cli`` prints ``checkpointing.interrupted_line`` of it once the command
   has unwound, which has stopped the workers and shut down a local Ray the command started
   (``cluster.ray_connection``), and exits with 128 + the signal's number (130, 143), the status a
   shell reports for a process that signal ended.
@@ -15,6 +15,10 @@
   opening an object and writing its bytes would otherwise leave an empty object behind (closing
   an S3 stream, as leaving its ``with`` does, uploads what it holds), and a local one a stray
   temporary file.
+
+Below ``storage`` (whose writes are ``uninterrupted``): this module imports no other of the package,
+so it knows the run folder an ``Interrupted`` carries only as a value, and what the run's
+checkpoints say is ``checkpointing``'s to tell.
 """
 
 from __future__ import annotations
@@ -23,10 +27,7 @@ import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the CLI imports this module before it parses; storage needs pyarrow, checkpointing torch
-    from raytrain_mp.storage import Location
+from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -38,25 +39,11 @@ class Interrupted(BaseException):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.at: tuple[int, int] | None = None  # (epoch, step in it), both from 1, of the last step known done
-        self.run: Location | None = None
+        self.run: Any = None  # the run folder, a ``storage.Location``, or None
 
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
-
-    def line(self) -> str:
-        """``interrupted at epoch E step S; the last checkpoint is URI; rerun the same command with
-        --name NAME to continue`` (the name: a made-up one is in no command the user typed)."""
-        from raytrain_mp.checkpointing import published_checkpoints
-        from raytrain_mp.storage import name_of
-
-        where = f" at epoch {self.at[0]} step {self.at[1]}" if self.at else ""
-        if self.run is None:
-            return f"interrupted{where}"
-        published = published_checkpoints(self.run)[1] if self.run.exists() else []
-        last = f"the last checkpoint is {published[-1].uri}" if published else "no checkpoint was written yet"
-        again = "continue" if published else "start over"
-        return f"interrupted{where}; {last}; rerun the same command with --name {name_of(self.run.uri)} to {again}"
 
 
 _held: int | None = None  # the first signal that came inside uninterrupted()

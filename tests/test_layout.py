@@ -3,7 +3,7 @@
 Layers, top to bottom: the command line (``cli``) and the facade (``raytrain_mp/__init__``); the
 capabilities (``ddp``, ``pipeline``, ``tune``, ``bench``); the shared layer (top-level modules and
 the ``data`` package). A capability uses another only where it builds on it, and its package
-docstring says so. Every import is checked, function-local ones included.
+docstring says so. Every import is checked, function-local ones included, and none closes a cycle.
 """
 
 from __future__ import annotations
@@ -93,6 +93,38 @@ def violations(module: str, source: str) -> list[str]:
     return found
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Each raytrain_mp module -> the raytrain_mp modules it imports (``imported_modules``)."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        graph[module] = imported_modules(path.read_text()) - {module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph``, each as its path from the module it starts at back to that module:
+    one for each back edge of a depth-first search, so none exactly when the graph has no cycle."""
+    cycles: list[list[str]] = []
+    path: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> None:
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target in path:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in done:
+                visit(target)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    return cycles
+
+
 def test_the_folder_shows_the_capabilities():
     packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
@@ -120,6 +152,24 @@ def test_no_module_imports_from_a_higher_layer():
 )
 def test_the_import_check_catches_upward_and_sideways_imports(module, source, expected):
     assert len(violations(module, source)) == expected, violations(module, source)
+
+
+def test_no_import_cycles_also_through_function_local_imports():
+    cycles = import_cycles(import_graph())
+    assert cycles == [], "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+@pytest.mark.parametrize(
+    "sources, expected",
+    [
+        ({"a": "from raytrain_mp.b import f", "b": "def g():\n    from raytrain_mp.a import h"}, [["a", "b", "a"]]),
+        ({"a": "import raytrain_mp.b", "b": "import raytrain_mp.c", "c": "from raytrain_mp.a import x"}, [["a", "b", "c", "a"]]),
+        ({"a": "import raytrain_mp.b\nimport raytrain_mp.c", "b": "import raytrain_mp.c", "c": ""}, []),
+    ],
+)
+def test_the_cycle_check_names_each_cycle(sources, expected):
+    graph = {f"raytrain_mp.{name}": imported_modules(source) for name, source in sources.items()}
+    assert import_cycles(graph) == [[f"raytrain_mp.{name}" for name in cycle] for cycle in expected]
 
 
 @pytest.mark.parametrize("package", sorted(CAPABILITIES | {"data"}))

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from raytrain_mp.checkpointing import CHECKPOINT_FILES, RAY_SNAPSHOT
+from raytrain_mp.checkpointing import CHECKPOINT_FILES, RAY_SNAPSHOT, interrupted_line
 from raytrain_mp.interruption import Interrupted, signals_interrupt, uninterrupted
 from raytrain_mp.progress import ERASE_LINE, Console, Progress, duration
 from raytrain_mp.storage import locate
@@ -118,20 +118,20 @@ def test_the_interrupt_line_names_the_last_published_checkpoint_and_the_run(tmp_
     exc = Interrupted(signal.SIGINT)
     exc.at, exc.run = (1, 6), locate(str(run), "--storage-path")
     assert exc.exit_code == 130 and Interrupted(signal.SIGTERM).exit_code == 143
-    assert exc.line() == (
+    assert interrupted_line(exc) == (
         "interrupted at epoch 1 step 6; no checkpoint was written yet; "
         "rerun the same command with --name pipeline-20261203-120000 to start over"
     )
     write_checkpoint_folder(run / "checkpoint_000001_step_000004")
     write_checkpoint_folder(run / "checkpoint_000001_step_000002")
-    assert exc.line() == (
+    assert interrupted_line(exc) == (
         f"interrupted at epoch 1 step 6; the last checkpoint is {run}/checkpoint_000001_step_000004; "
         "rerun the same command with --name pipeline-20261203-120000 to continue"
     )
     # A Ray Train run: only what Ray registered counts (a folder may still be uploading).
     (run / RAY_SNAPSHOT).write_text('{"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_000001_step_000002"}]}')
-    assert f"the last checkpoint is {run}/checkpoint_000001_step_000002;" in exc.line()
-    assert Interrupted(signal.SIGINT).line() == "interrupted"
+    assert f"the last checkpoint is {run}/checkpoint_000001_step_000002;" in interrupted_line(exc)
+    assert interrupted_line(Interrupted(signal.SIGINT)) == "interrupted"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

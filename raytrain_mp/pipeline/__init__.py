@@ -1,6 +1,7 @@
 """Pipelined model parallelism: a model cut into stages, one Ray actor each, run by a schedule.
 
-Pure pieces (no Ray): ``blocks`` (model -> named blocks), ``partition`` (blocks -> stages),
+Pure pieces (no Ray): ``block`` (what a block is), ``blocks`` (model -> named blocks; ``traced`` for a
+model cut from its torch.fx graph), ``partition`` (blocks -> stages),
 ``schedule`` (names, limits, ideal bubbles), ``microbatch`` (batch -> micro-batches), ``deferred_bn``, ``replicas``
 (data x pipeline: rank layout, batch shares, replica placement, BatchNorm merge weights), ``handoff``
 (a batch to a stage actor, zero-copy), ``layouts`` (memory-format names), ``memory_format`` (a
@@ -24,7 +25,8 @@ from typing import Any
 
 # Imported on first use, so that ``pipeline.config`` and the pure modules load without Ray.
 _EXPORTS = {
-    **dict.fromkeys(("Block", "StageModule", "block_parameter_counts", "flatten_model"), "blocks"),
+    "Block": "block",
+    **dict.fromkeys(("StageModule", "block_parameter_counts", "flatten_model"), "blocks"),
     **dict.fromkeys(("DeferredBatchNorm", "commit_deferred_batchnorm", "convert_deferred_batchnorm"), "deferred_bn"),
     **dict.fromkeys(("MicroBatch", "check_microbatches", "split_batch"), "microbatch"),
     **dict.fromkeys(("BALANCE_MODES", "StagePlan", "balance_bounds", "balance_fill_drain_bounds", "plan_stages",

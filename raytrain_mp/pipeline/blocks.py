@@ -1,8 +1,9 @@
 """Flatten a model into an ordered list of named blocks, and build a stage from a run of blocks.
 
-Job: know model internals (torchvision ResNets and plain ``nn.Sequential`` here, through
-``_FLATTENERS``; any other model from its traced graph, ``traced``) so that partitioning and the
-Ray stage code never have to.
+Job: know model internals, so that partitioning and the Ray stage code never have to: torchvision
+ResNets and plain ``nn.Sequential`` here, through ``_FLATTENERS``; any other model from its traced
+graph (``traced``). ``flatten_model`` chooses among them. What a block is, and what passes between
+blocks, is ``block``'s.
 
 A block is a place a stage boundary can fall before. A ResNet's residual blocks are cut at each
 convolution, so that time balance is not limited to whole residual blocks (ResNet-50's are 4-7%
@@ -11,12 +12,10 @@ of its time each): ``layer3.0.conv1`` (conv1, bn1, ReLU), ``layer3.0.conv2``, ``
 cuts before the first. Other kinds of residual block run whole. The downsample rides with the
 strided convolution, so the pieces of a block pass on (main path, identity) at the same spatial
 size. Within a stage that pair stays a tuple; a stage whose last block leaves one sends it
-packed along the channels (``pack``), and the next block splits it by its convolution's input
-channels: one tensor crosses every stage boundary, so the P2P protocol and torch's stage
-metadata see a single activation.
+packed along the channels (``block.pack``), and the next block splits it by its convolution's
+input channels.
 
-A block names the modules it runs by their original dotted paths (``"layer3.0.conv1"``); it
-does not hold the modules. A ``StageModule`` registers each named module under the same path, so:
+A ``StageModule`` registers each module its blocks name under the same path, so:
 
 Invariants:
 - Running the blocks of ``flatten_model(model)`` in order on ``model`` equals ``model(x)``
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -40,37 +38,8 @@ from torchvision.models import ResNet
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from raytrain_mp.errors import UsageError
-
-Carry = Tensor | tuple[Tensor, ...]  # between blocks: a residual block's (main path, identity), or ``Live``
-Runner = Callable[[Sequence[nn.Module], Carry], Carry]
-
-
-class Live(tuple):
-    """The values a traced block passes on (``traced``): tensors of any shapes whose first
-    dimension is the batch. Packed, each is flattened per sample and the rows joined."""
-
-
-def run_in_order(modules: Sequence[nn.Module], x: Carry) -> Carry:
-    """The common case: a block is its modules applied one after another."""
-    for module in modules:
-        x = module(x)
-    return x
-
-
-def pack(carry: Carry) -> Tensor:
-    """The one tensor a stage sends: a (main path, identity) pair joined along the channels, or
-    a traced block's ``Live`` values flattened per sample and joined (``traced`` splits them)."""
-    if isinstance(carry, Live):
-        return torch.cat([t.reshape(len(t), -1) for t in carry], 1)
-    return torch.cat(carry, 1) if isinstance(carry, tuple) else carry
-
-
-def resolve(root: nn.Module, path: str) -> nn.Module | Tensor:
-    """The module, parameter or buffer at ``path`` under ``root``."""
-    target: Any = root
-    for name in path.split("."):
-        target = getattr(target, name)
-    return target
+from raytrain_mp.pipeline.block import Block, Carry, pack, resolve
+from raytrain_mp.pipeline.traced import flatten_traced
 
 
 @dataclass(frozen=True)
@@ -99,20 +68,6 @@ def _resnet_head(modules: Sequence[nn.Module], x: Tensor) -> Tensor:
     # torchvision's ResNet.forward flattens between avgpool and fc with a function, not a module.
     avgpool, fc = modules
     return fc(torch.flatten(avgpool(x), 1))
-
-
-@dataclass(frozen=True)
-class Block:
-    """One unit of the flattened model: the modules (or, traced, parameters and buffers) at
-    ``paths``, run by ``run``."""
-
-    name: str
-    paths: tuple[str, ...]
-    run: Runner = run_in_order
-
-    def forward_on(self, root: nn.Module, x: Carry) -> Carry:
-        """Run this block with the modules found at its paths under ``root``."""
-        return self.run([resolve(root, path) for path in self.paths], x)
 
 
 def _residual_pieces(path: str, block: nn.Module) -> list[Block]:
@@ -163,12 +118,7 @@ def flatten_model(model: nn.Module, sample: Tensor | None = None) -> list[Block]
     """The model's blocks in forward order (ResNet: stem, each residual block, head). A model no
     flattener knows is cut from its traced graph, which needs ``sample``, a batch of inputs."""
     flatten = next((f for model_type, f in _FLATTENERS.items() if isinstance(model, model_type)), None)
-    if flatten is not None:
-        blocks = flatten(model)
-    else:
-        from raytrain_mp.pipeline.traced import flatten_traced  # it builds on this module
-
-        blocks = flatten_traced(model, sample)
+    blocks = flatten(model) if flatten is not None else flatten_traced(model, sample)
     _check_covers_state(model, blocks)
     return blocks
 

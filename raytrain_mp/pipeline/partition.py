@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from raytrain_mp.errors import UsageError
-from raytrain_mp.pipeline.blocks import Block, Carry
+from raytrain_mp.pipeline.block import Block, Carry
 from raytrain_mp.pipeline.layouts import LAYOUTS
 
 BALANCE_MODES = ("time", "params")

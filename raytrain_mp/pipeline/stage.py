@@ -95,7 +95,7 @@ from raytrain_mp.allocator import keep_freed_memory
 from raytrain_mp.errors import UsageError
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import OPTIMIZERS, build_optimizer
-from raytrain_mp.pipeline.blocks import Block
+from raytrain_mp.pipeline.block import Block
 from raytrain_mp.pipeline.busy_clock import BusyClock, busy_clock
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
 from raytrain_mp.pipeline.feed import StageData, StageFeed

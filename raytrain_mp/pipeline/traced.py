@@ -3,7 +3,7 @@
 Job: the flattener of ``blocks.flatten_model`` for every model that is neither a torchvision
 ResNet nor an ``nn.Sequential`` (MobileNet, EfficientNet, ConvNeXt, RegNet, ViT, a user's own
 network). It traces the model once, finds the places where a stage boundary can fall, and turns
-each run of graph nodes between two such places into a ``blocks.Block`` whose runner
+each run of graph nodes between two such places into a ``block.Block`` whose runner
 (``GraphSegment``) executes those nodes on the modules found under the block's paths.
 
 Why ``torch.fx.symbolic_trace`` and not ``torch.export`` (on which torch's own pipelining
@@ -26,7 +26,7 @@ Where a cut may fall (``cut_positions``): before a node that starts a module (a
 crosses it is a floating-point tensor computed from the input whose first dimension is the
 batch (checked on probe batches of 2 and 3 samples), and no parameter or buffer is used on both
 sides. Several values may cross (a skip connection over the cut): a stage sends them as one
-tensor, each flattened per sample and joined (``blocks.Live``, ``blocks.pack``), and the
+tensor, each flattened per sample and joined (``block.Live``, ``block.pack``), and the
 receiving block splits them back to the shapes the probe recorded. A block is named by the
 innermost module its first node starts (``features.7.block.0.0``), so that a split point names
 a module by prefix as for ResNets (``features.7``, ``encoder.layers.encoder_layer_3``).
@@ -51,7 +51,7 @@ from torch import Tensor, fx, nn
 from torch.fx.node import map_aggregate
 
 from raytrain_mp.errors import UsageError
-from raytrain_mp.pipeline.blocks import Block, Carry, Live
+from raytrain_mp.pipeline.block import Block, Carry, Live
 
 PROBE_BATCHES = (2, 3)  # two batch sizes, so that a dimension that follows the batch is told apart from a constant
 
@@ -112,7 +112,7 @@ class GraphSegment:
             return tuple(_writable(value) for value in carry)
         if len(self.inputs) == 1:
             return (_writable(carry),)
-        # Packed by the previous stage (``blocks.pack``); the backward of the split joins the gradients.
+        # Packed by the previous stage (``block.pack``); the backward of the split joins the gradients.
         parts = carry.split([_numel(shape) for shape in self.shapes], 1)
         values = (part.reshape(len(carry), *shape) for part, shape in zip(parts, self.shapes))
         return tuple(value.clone() if value._is_view() else value for value in values)
