@@ -1,7 +1,8 @@
 """The ``raytrain-mp`` command line: parse, validate into a config dataclass, then run.
 
 Invariants: every bad input ends as one line ``raytrain-mp: error: ...`` on stderr and exit code 2
-(argparse's own errors included), raised before Ray starts or any output is written; Ctrl-C or
+(argparse's own errors included), raised before Ray starts or any output is written; a run that
+fails for good (its restarts used up) ends as one line ``raytrain-mp: failed: ...`` and exit code 1; Ctrl-C or
 SIGTERM ends a command with one line on stderr and exit code 130 or 143 (``interruption``); with
 ``--json`` the last line of stdout is one JSON object describing the result, at full precision;
 without it the result prints as ``key: value`` lines whose floats have 4 significant digits.
@@ -20,7 +21,7 @@ from raytrain_mp.config import add_arguments, build_config
 from raytrain_mp.data.config import PrepareConfig
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.pipeline.config import PipelineConfig
-from raytrain_mp.errors import EXIT_USAGE, UsageError
+from raytrain_mp.errors import EXIT_FAILED, EXIT_USAGE, RunFailedError, UsageError
 from raytrain_mp.inference.config import EvalConfig, ExportConfig, PredictConfig
 from raytrain_mp.interruption import Interrupted, signals_interrupt
 from raytrain_mp.tune.config import TuneConfig
@@ -254,6 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RunFailedError as exc:
+        print(f"{PROG}: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except Interrupted as exc:  # the command has unwound: its workers and a Ray it started are stopped
         from raytrain_mp.checkpointing import interrupted_line
 

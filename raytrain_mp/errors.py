@@ -1,17 +1,29 @@
-"""The one error type that reaches the user as a one-line message and exit code 2.
+"""The two error types that reach the user as one line: a bad input (exit code 2) and a failed run (exit code 1).
 
-Invariant: every bad input (option, file, data layout) is turned into a ``UsageError`` before any
+Invariants: every bad input (option, file, data layout) is turned into a ``UsageError`` before any
 cluster resource is requested or any output is written; the CLI prints ``raytrain-mp: error: <msg>``
-on one line to stderr and exits with code 2, the same code argparse uses for unknown options.
+on one line to stderr and exits with code 2, the same code argparse uses for unknown options. A run
+that fails for good (its ``--max-failures`` restarts used up) raises ``RunFailedError``, which the
+CLI prints as ``raytrain-mp: failed: <msg>`` on one line and exit code 1, without a traceback: the
+message names what failed, when and why in a few words.
 """
 
 from __future__ import annotations
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
 
 
 class UsageError(ValueError):
     """A bad input the user can fix; its message is a single line naming the option or file."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+class RunFailedError(RuntimeError):
+    """A run that failed after using up its restarts; its message is one line: what failed, in
+    which phase, why (e.g. ``its actor died: node lost``) and how many restarts it used."""
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(str(message).split()))

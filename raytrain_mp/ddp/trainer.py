@@ -17,7 +17,10 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig, UserCallback
+from ray.train import (
+    CheckpointConfig, ControllerError, FailureConfig, LoggingConfig, RunConfig, ScalingConfig, TrainingFailedError,
+    UserCallback, WorkerGroupError,
+)
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_mp.checkpointing import MODEL_FILE, write_result
@@ -25,7 +28,8 @@ from raytrain_mp.config import absolute_path
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.cluster import check_fits, environment, resolve_use_gpu, train_log_level
 from raytrain_mp.data.dataset import checked_dataset
-from raytrain_mp.errors import UsageError
+from raytrain_mp.errors import RunFailedError, UsageError
+from raytrain_mp.faults import first_line, short_cause
 from raytrain_mp.models import check_model
 from raytrain_mp.storage import check_reachable, join, locate, name_of
 from raytrain_mp.ddp.loop import train_loop_per_worker
@@ -116,6 +120,20 @@ def summarize(result, cfg: DDPConfig) -> dict:
     }
 
 
+def training_failure(exc: TrainingFailedError) -> str:
+    """What ended a fit, in a line: the first failed rank and its cause (``faults.short_cause``),
+    or the controller's cause; never the workers' tracebacks Ray Train's message carries."""
+    if isinstance(exc, WorkerGroupError) and exc.worker_failures:
+        rank = min(exc.worker_failures)
+        error = exc.worker_failures[rank]
+        # Ray Train wraps what a rank raised (with its traceback as text) or what its health check met.
+        error = getattr(error, "_base_exc", None) or getattr(error, "health_check_failure", None) or error
+        return f"ddp worker rank {rank} failed: {short_cause(error)}"
+    if isinstance(exc, ControllerError):
+        return f"ddp: Ray Train's controller failed: {short_cause(exc.controller_failure)}"
+    return f"ddp: {first_line(str(exc))}"
+
+
 def run_ddp(cfg: DDPConfig) -> dict:
     """Fit on the connected Ray cluster, showing rank 0's lines here (``watch``), and return the
     summary; raises on a failed run, ``Interrupted`` (with where the run stands) on a signal.
@@ -127,6 +145,8 @@ def run_ddp(cfg: DDPConfig) -> dict:
     try:
         with environment(controller_env(cfg)):
             summary = summarize(watch.fit(build_trainer(cfg).fit), cfg)
+    except TrainingFailedError as exc:  # Ray Train used up --max-failures restarts
+        raise RunFailedError(f"{training_failure(exc)} (after --max-failures {cfg.max_failures} restarts)") from None
     except Interrupted as exc:
         exc.at, exc.run = watch.position, run
         raise

@@ -12,6 +12,8 @@ Invariants:
 - Rank 0 sends at most what ``progress.Progress`` makes due (a few updates a second), each a
   fire-and-forget call: a step never waits for the driver.
 - The board keeps the position of the last step shown, which an interrupt's line names.
+- A board whose process dies is restarted by Ray: the run goes on, losing only the lines then in
+  flight and the position until the next update.
 - ``fit`` runs off the main thread, so Ray Train does not install its own SIGINT handler (it does
   so only on the main thread) and ``interruption`` decides what Ctrl-C does; the fit's outcome,
   result or exception, is the call's.
@@ -81,7 +83,9 @@ class Watch:
         self.name = BOARD_PREFIX + run_name
         # On the driver's node, as Ray Train places its controller: a lost worker node must not take it along.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.board = Board.options(name=self.name, scheduling_strategy=here).remote()
+        # Restarted by Ray if its process dies (its lines in flight are lost, the handles rank 0
+        # holds stay valid): a lost board must not end a run that trains on.
+        self.board = Board.options(name=self.name, scheduling_strategy=here, max_restarts=-1, max_task_retries=-1).remote()
         self.position: tuple[int, int] | None = None
 
     def show(self) -> None:

@@ -22,7 +22,10 @@ Invariants:
   and resuming only ever picks a complete one.
 - A stage failure (``StageFailedError``) with failures left rebuilds every stage actor of every
   replica from the newest checkpoint (or the initial model when there is none yet) and continues
-  from there.
+  from there, whatever the phase it came in: the stages' start or rebuild, balance trials,
+  loading the optimizer state, a step (and the memory-format timing in it), evaluation, gathering
+  a checkpoint. With none left (``--max-failures``, -1: unlimited) the run ends with
+  ``RunFailedError``: one line naming the stage, the phase, the cause and the restarts used.
 - With ``--replicas`` R the replicas' shares of a step are exactly the step's global batch, and a
   checkpoint holds one model and one optimizer state per stage (the replicas hold the same), so
   it does not depend on R: a resume may use another R and keeps the math.
@@ -68,7 +71,7 @@ from raytrain_mp.config import absolute_path, to_yaml
 from raytrain_mp.pipeline.config import PipelineConfig, as_flag_error
 from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
-from raytrain_mp.errors import UsageError
+from raytrain_mp.errors import RunFailedError, UsageError
 from raytrain_mp.interruption import Interrupted
 from raytrain_mp.progress import Console, Progress
 from raytrain_mp.storage import Location, check_reachable, delete_folder, is_complete, latest_complete, locate, publish_folder
@@ -247,37 +250,49 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 at = f" step {position[1] + 1}" if position[1] else ""
                 console.say(f"resuming from {resume.uri} at epoch {position[0] + 1}{at}")
             steps_done = position[0] * steps_per_epoch + position[1]
+            # Every phase an actor can be lost in counts against --max-failures: the stages' start,
+            # balance trials, loading the optimizer state, steps, evaluation and checkpoints alike.
             try:
-                trainer = make_trainer(cfg, model, schedule(steps_done), sample, data)
-            except UsageError as exc:
-                raise as_flag_error(exc) from None
-            # Restarts keep this cut, also when they come before the first checkpoint; it is settled, so no more trials.
-            cfg = dataclasses.replace(cfg, split_points=[plan.blocks[0] for plan in trainer.plan[1:]], balance_trials=0)
-            try:
-                if optimizer_states is not None:
-                    trainer.load_optimizer_state_dicts(optimizer_states)
-                trainer.steps_done = steps_done
-                print_placement(trainer, console)
-                progress = Progress(cfg.epochs, steps_per_epoch, cfg.global_batch_size, steps_done, cfg.log_every)
-                summary = train_epochs(cfg, trainer, schedule, position, carried, run, progress, console)
-                stages = [{**dataclasses.asdict(plan), "node_id": node} for plan, node in zip(trainer.plan, trainer.nodes)]
-                places = [replica_and_stage(index, trainer.num_stages) for index in range(len(trainer.nodes))]
-                actors = [{"replica": replica, "stage": stage, "node_id": node} for (replica, stage), node in zip(places, trainer.nodes)]
-                result = {**summary, "num_nodes": len(set(trainer.nodes)), "stages": stages, "actors": actors, "run": run.uri}
-                write_result(run, result)
-                return result
+                try:
+                    trainer = make_trainer(cfg, model, schedule(steps_done), sample, data)
+                except UsageError as exc:
+                    raise as_flag_error(exc) from None
+                try:
+                    # Restarts keep this cut, also before the first checkpoint; it is settled, so no more trials.
+                    cfg = dataclasses.replace(cfg, split_points=[plan.blocks[0] for plan in trainer.plan[1:]], balance_trials=0)
+                    if optimizer_states is not None:
+                        trainer.load_optimizer_state_dicts(optimizer_states)
+                    trainer.steps_done = steps_done
+                    print_placement(trainer, console)
+                    progress = Progress(cfg.epochs, steps_per_epoch, cfg.global_batch_size, steps_done, cfg.log_every)
+                    summary = train_epochs(cfg, trainer, schedule, position, carried, run, progress, console)
+                    result = {**summary, **placement_summary(trainer), "run": run.uri}
+                    write_result(run, result)
+                    return result
+                finally:
+                    trainer.shutdown()
             except StageFailedError as exc:
-                if failures >= cfg.max_failures:
-                    raise
+                if cfg.max_failures != -1 and failures >= cfg.max_failures:
+                    used = f"{failures} restart{'s' * (failures != 1)} used of --max-failures {cfg.max_failures}"
+                    raise RunFailedError(f"{exc} ({used})") from None
                 failures += 1
-                console.say(f"{exc}; restarting the stages from the last checkpoint ({failures}/{cfg.max_failures})")
-            finally:
-                trainer.shutdown()
+                of = "unlimited" if cfg.max_failures == -1 else cfg.max_failures
+                console.say(f"{exc}; restarting the stages from the last checkpoint ({failures}/{of})")
+                if cfg.verbose and exc.__cause__ is not None:  # Ray's whole account of the failure, which the line above sums up
+                    console.say(str(exc.__cause__))
     except Interrupted as exc:
         exc.at, exc.run = progress.at if progress else None, run
         raise
     finally:
         console.end_line()  # what follows (a traceback, the interrupt's line) starts on a line of its own
+
+
+def placement_summary(trainer: PipelineTrainer) -> dict:
+    """Where the run trained: each stage's cut and node, each actor's (replica, stage) and node."""
+    stages = [{**dataclasses.asdict(plan), "node_id": node} for plan, node in zip(trainer.plan, trainer.nodes)]
+    places = [replica_and_stage(index, trainer.num_stages) for index in range(len(trainer.nodes))]
+    actors = [{"replica": replica, "stage": stage, "node_id": node} for (replica, stage), node in zip(places, trainer.nodes)]
+    return {"num_nodes": len(set(trainer.nodes)), "stages": stages, "actors": actors}
 
 
 def print_placement(trainer: PipelineTrainer, console: Console) -> None:

@@ -47,13 +47,14 @@ from typing import Any, NoReturn
 
 import ray
 import torch
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch import Tensor, nn
 
 from raytrain_mp.cluster import reachable, resolve_use_gpu, use_token_if_the_cluster_asks, wait_for_autoscaler
 from raytrain_mp.errors import UsageError
+from raytrain_mp.faults import short_cause
 from raytrain_mp.data import read_meta
 from raytrain_mp.pipeline.blame import Kind, blame, failure_kind, unsettled
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
@@ -91,27 +92,33 @@ _WATCHDOG_DUMP_S = 15.0
 class StageFailedError(RuntimeError):
     """A stage actor died or raised; ``stage`` is its index (from 0), ``replica`` its replica (None
     with a single one), ``step`` the train step (from 1) it failed in (with several steps a call,
-    the first of the call's), or None outside ``train_step``."""
+    the first of the call's), or None outside ``train_step``; ``phase`` what the trainer was doing
+    ("at step 3", "while starting", "in a balance trial", ...) and ``cause`` why, in a few words
+    (``faults.short_cause``)."""
 
     def __init__(
-        self, stage: int, num_stages: int, step: int | None, cause: BaseException, replica: int | None = None
+        self, stage: int, num_stages: int, step: int | None, cause: BaseException | str, replica: int | None = None,
+        phase: str | None = None,
     ) -> None:
-        self.stage, self.step, self.replica = stage, step, replica
-        when = f"at step {step}" if step is not None else "outside a train step"
+        self.stage, self.num_stages, self.step, self.replica = stage, num_stages, step, replica
+        self.phase = phase or (f"at step {step}" if step is not None else "outside a train step")
+        self.cause = cause if isinstance(cause, str) else short_cause(cause)
         of = f" of replica {replica}" if replica is not None else ""
-        super().__init__(f"pipeline stage {stage}{of} (of stages 0-{num_stages - 1}) failed {when}: {_summary(cause)}")
+        super().__init__(f"pipeline stage {stage}{of} (of stages 0-{num_stages - 1}) failed {self.phase}: {self.cause}")
+
+    def during(self, phase: str) -> StageFailedError:
+        """The same failure, said to have happened ``phase`` (a caller knows better what it was doing)."""
+        return StageFailedError(self.stage, self.num_stages, self.step, self.cause, self.replica, phase)
 
 
-def _summary(error: BaseException) -> str:
-    """One line: what Ray says about a dead actor, or the exception raised inside the stage."""
-    if isinstance(error, RayActorError):
-        # Ray's message: a headline, indented actor details, then the reason ("killed by ray.kill").
-        lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line[0].isspace()]
-        return "its actor died: " + " ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else "its actor died"
-    if isinstance(error, RayTaskError):
-        error = error.cause  # without Ray's traceback
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else repr(error)}"
+def _read_errors(refs: Sequence[ray.ObjectRef], timeout_s: float = 10.0) -> None:
+    """Read the calls ``refs`` of stopped actors (they fail at once): a failure the trainer
+    handles then leaves no unread error for Ray to print with its traceback when it is freed."""
+    if not refs:
+        return
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    for ref in done:
+        _error_of(ref)
 
 
 def _error_of(ref: ray.ObjectRef) -> RayError | None:
@@ -393,7 +400,10 @@ class PipelineTrainer:
                 seconds = [f + b for f, b in zip(forward, backward)]
                 bounds = self._cut(forward, backward)
                 if balance_trials:
-                    bounds = self._fastest_cut(model, blocks, template, bounds, forward, backward, sample_input, balance_trials)
+                    try:
+                        bounds = self._fastest_cut(model, blocks, template, bounds, forward, backward, sample_input, balance_trials)
+                    except StageFailedError as exc:
+                        raise exc.during("in a balance trial") from exc.__cause__
             self.plan: list[StagePlan] = plan_stages(names, bounds, params, seconds, forward)
             self._start_stages(model, blocks, bounds, template)
         except BaseException:
@@ -416,11 +426,12 @@ class PipelineTrainer:
                 config = dataclasses.replace(template, rank=rank, replica=replica)
                 options = self._placement(rank, replica)
                 self._actors.append(actor_class.options(**options).remote(modules, config))
-        self.devices: list[str] = self._call_all("ready")  # per actor, replica-major
-        self.niceness: list[int] = self._call_all("niceness")  # per actor, replica-major
-        self.keeps_freed_memory: list[bool] = self._call_all("keeps_freed_memory")  # per actor, replica-major
-        host, port = self._gather([(0, self.actor(0).host_store.remote())], step=None)[0]
-        self._call_all("join_group", host, port)
+        starting = "while starting"
+        self.devices: list[str] = self._call_all("ready", phase=starting)  # per actor, replica-major
+        self.niceness: list[int] = self._call_all("niceness", phase=starting)  # per actor, replica-major
+        self.keeps_freed_memory: list[bool] = self._call_all("keeps_freed_memory", phase=starting)  # per actor, replica-major
+        host, port = self._gather([(0, self.actor(0).host_store.remote())], step=None, phase=starting)[0]
+        self._call_all("join_group", host, port, phase=starting)
         self.nodes: list[str] = [  # Ray node id per actor, replica-major
             ray.util.placement_group_table(pg)["bundles_to_node_id"][rank] for pg in self._pgs for rank in range(num_stages)
         ]
@@ -511,9 +522,12 @@ class PipelineTrainer:
         # max_calls=1: the task's worker exits afterwards, so it holds no CUDA context on the GPU and its
         # allocator settings (allocator.keep_freed_memory) die with it.
         task = ray.remote(max_calls=1)(profile_on_stage_device).options(**self._placement(0))
-        return ray.get(
-            task.remote(model, blocks, sample, self.use_gpu, config.num_cpus, config.autocast_bf16, config.memory_format)
-        )
+        try:
+            return ray.get(
+                task.remote(model, blocks, sample, self.use_gpu, config.num_cpus, config.autocast_bf16, config.memory_format)
+            )
+        except RayError as error:  # its process or node lost, as a stage actor's can be
+            raise StageFailedError(0, self.num_stages, None, error, phase="while profiling its blocks") from error
 
     def set_schedule(self, schedule: str | None = None, num_microbatches: int | None = None) -> None:
         """Change the schedule and/or the number of micro-batches for the next steps; the stages,
@@ -531,14 +545,16 @@ class PipelineTrainer:
 
     # -- calls -----------------------------------------------------------------------------------
 
-    def _call_all(self, method: str, *args: Any) -> list[Any]:
-        """``method(*args)`` on every actor of every replica; the results, replica-major."""
+    def _call_all(self, method: str, *args: Any, phase: str | None = None) -> list[Any]:
+        """``method(*args)`` on every actor of every replica; the results, replica-major. A failure
+        says it happened ``phase``."""
         refs = [(index, getattr(actor, method).remote(*args)) for index, actor in enumerate(self._all_actors())]
-        return self._gather(refs, step=None)
+        return self._gather(refs, step=None, phase=phase)
 
-    def _gather(self, submitted: list[tuple[int, ray.ObjectRef]], step: int | None) -> list[Any]:
+    def _gather(self, submitted: list[tuple[int, ray.ObjectRef]], step: int | None, phase: str | None = None) -> list[Any]:
         """The results of ``submitted`` (actor index, ref) pairs, in order. A failure stops every
-        rank and raises ``StageFailedError`` for its origin (see the module docstring)."""
+        rank and raises ``StageFailedError`` for its origin (see the module docstring), at ``step``
+        or ``phase``."""
         refs = [ref for _, ref in submitted]
         results: dict[ray.ObjectRef, Any] = {}
         pending = list(refs)
@@ -549,12 +565,12 @@ class PipelineTrainer:
                 continue
             except RayError as error:
                 failed = error  # raised outside the handler, so that Ray's error is not its context
-            self._fail(submitted, done[0], failed, pending, step)
+            self._fail(submitted, done[0], failed, pending, step, phase)
         return [results[ref] for ref in refs]
 
     def _fail(
         self, submitted: list[tuple[int, ray.ObjectRef]], first: ray.ObjectRef, error: RayError,
-        pending: list[ray.ObjectRef], step: int | None,
+        pending: list[ray.ObjectRef], step: int | None, phase: str | None = None,
     ) -> NoReturn:
         """Stop every rank and raise ``StageFailedError`` for the origin (``blame.blame``) of a call
         whose ``first`` ref failed first, with ``error``. It waits for the ``pending`` refs first:
@@ -583,12 +599,13 @@ class PipelineTrainer:
         index, hung = blame(kinds(), [rank_of[ref] for ref in pending], outlived)
         rank, origin = failures[index]
         if hung is not None:  # its peers waited in vain: name the rank that hangs
-            origin = TimeoutError(f"it stopped answering; {self._name(rank)[2]} gave up waiting for it: {_summary(origin)}")
+            origin = TimeoutError(f"it stopped answering; {self._name(rank)[2]} gave up waiting for it: {short_cause(origin)}")
             rank = hung
         self.shutdown()
+        _read_errors(pending)
         stage, replica, name = self._name(rank)
         self._stopped = f"a failure of {name}, after which it stopped every stage actor"
-        raise StageFailedError(stage, self.num_stages, step, origin, replica) from origin
+        raise StageFailedError(stage, self.num_stages, step, origin, replica, phase) from origin
 
     def _name(self, rank: int) -> tuple[int, int | None, str]:
         """(stage, replica or None with a single one, "stage S[ of replica R]") of actor ``rank``."""
@@ -640,8 +657,10 @@ class PipelineTrainer:
             while queued:
                 yield from self._finish(*queued.popleft())
         finally:
-            while queued and self._actors:  # after a failure the actors are gone and nothing is left to wait for
+            while queued and self._actors:
                 self._finish(*queued.popleft())
+            # After a failure the actors are gone: the calls queued behind it failed with them.
+            _read_errors([ref for _, refs, _, _ in queued for _, ref in refs])
 
     def _submit(self, chunk: list[tuple[Tensor, Tensor, float | None]]) -> tuple[int, list[tuple[int, ray.ObjectRef]], float, int]:
         """Check the batches and hand each rank its share of the steps in one call: (first step
@@ -714,7 +733,7 @@ class PipelineTrainer:
             (rank, self.actor(rank).infer.remote(to_wire(inputs) if rank == 0 else None, chunks))
             for rank in range(self.num_stages)
         ]
-        return self._gather(refs, step=None)[-1]
+        return self._gather(refs, step=None, phase="in predict")[-1]
 
     def evaluate(self) -> dict[str, float]:
         """Eval-mode loss and accuracy over the val split of ``data``, every sample once, in batches
@@ -724,7 +743,7 @@ class PipelineTrainer:
             raise UsageError("data: evaluate reads the data set given as data=StageData(...); this trainer has none (use predict)")
         chunks = val_chunks(self._val_count, self.data.val_batch, self.num_microbatches)
         refs = [(rank, self.actor(rank).evaluate.remote(chunks)) for rank in range(self.num_stages)]
-        loss_sum, correct, count = self._gather(refs, step=None)[-1]
+        loss_sum, correct, count = self._gather(refs, step=None, phase="in evaluation")[-1]
         return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_count": count}
 
     def reads(self) -> list[int]:
@@ -778,19 +797,23 @@ class PipelineTrainer:
         """Set every stage's learning rate (for per-step schedules)."""
         self._call_all("set_lr", lr)
 
-    def _replica_calls(self, replica: int, method: str, args_of_rank: Sequence[tuple] | None = None) -> list[Any]:
-        """``method`` on each stage of ``replica`` (with ``args_of_rank[rank]``); the results in stage order."""
+    def _replica_calls(
+        self, replica: int, method: str, args_of_rank: Sequence[tuple] | None = None, phase: str | None = None
+    ) -> list[Any]:
+        """``method`` on each stage of ``replica`` (with ``args_of_rank[rank]``); the results in
+        stage order. A failure says it happened ``phase``."""
         refs = [
             (global_rank(replica, rank, self.num_stages),
              getattr(self.actor(rank, replica), method).remote(*(args_of_rank[rank] if args_of_rank else ())))
             for rank in range(self.num_stages)
         ]  # fmt: skip
-        return self._gather(refs, step=None)
+        return self._gather(refs, step=None, phase=phase)
 
     def state_dict(self, replica: int = 0) -> dict[str, Tensor]:
         """The full model's state dict as ``replica`` holds it (all replicas hold the same), on the
         CPU, with the original model's keys."""
-        merged = {key: value for part in self._replica_calls(replica, "state_dict") for key, value in part.items()}
+        parts = self._replica_calls(replica, "state_dict", phase="while gathering the model state")
+        merged = {key: value for part in parts for key, value in part.items()}
         return {key: merged[key] for key in self._model_keys}
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
@@ -803,19 +826,19 @@ class PipelineTrainer:
             )
         parts = [(({key: state[key] for key in keys}),) for keys in self._stage_keys]
         for replica in range(self.num_replicas):
-            self._replica_calls(replica, "load_state_dict", parts)
+            self._replica_calls(replica, "load_state_dict", parts, phase="while loading the model state")
 
     def optimizer_state_dicts(self) -> list[dict[str, Any]]:
         """Each stage's optimizer state (CPU tensors), in stage order (replica 0's: all replicas hold
         the same, so a checkpoint does not depend on the number of replicas)."""
-        return self._replica_calls(0, "optimizer_state_dict")
+        return self._replica_calls(0, "optimizer_state_dict", phase="while gathering the optimizer state")
 
     def load_optimizer_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
         """Load each stage's optimizer state into that stage of every replica."""
         if len(states) != self.num_stages:
             raise UsageError(f"optimizer state: {len(states)} stage states for {self.num_stages} stages")
         for replica in range(self.num_replicas):
-            self._replica_calls(replica, "load_optimizer_state_dict", [(state,) for state in states])
+            self._replica_calls(replica, "load_optimizer_state_dict", [(state,) for state in states], phase="while loading the optimizer state")
 
     def _all_actors(self) -> list[Any]:
         self.actor(0)  # raises once stopped

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_usage_error, run_cli, run_cli_json, run_cli_text, session_cpus, session_gpus
+from helpers import (
+    RAY_FORWARDED, assert_usage_error, load_model_pt, max_abs_diff, run_cli, run_cli_json, run_cli_text, session_cpus,
+    session_gpus,
+)
+from killer import Killer, exists
+from raytrain_mp.faults import ABRUPT
 from raytrain_mp.models import build_model
 from raytrain_mp.run_log import read_rows
 from raytrain_mp.storage import locate
@@ -81,13 +86,18 @@ def test_more_replicas_than_the_cluster_holds(ray_session, tiny_data, tmp_path, 
     assert not runs.exists()
 
 
+def fp64_args(tiny_data: str, storage: str) -> list[str]:
+    """The fp64 runs' arguments: 2 epochs of 5 steps, 2 stages, 1F1B over 4 micro-batches."""
+    return ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
+            "--microbatches", "4", "--schedule", "1f1b", "--epochs", "2", "--precision", "fp64",
+            "--balance", "params", "--storage-path", storage, "--log-every", "1", "--augment", "--loader-workers", "1"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def fp64_runs(ray_session, tiny_data, tmp_path_factory):
     storage = str(tmp_path_factory.mktemp("pruns"))
     marker = tmp_path_factory.mktemp("pfault") / "killed"
-    args = ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
-            "--microbatches", "4", "--schedule", "1f1b", "--epochs", "2", "--precision", "fp64",
-            "--balance", "params", "--storage-path", storage, "--log-every", "1", "--augment", "--loader-workers", "1"]  # fmt: skip
+    args = fp64_args(tiny_data, storage)
     plain = run_cli_json(*args, "--name", "plain")
     # Killed after global step 8 (step 3 of epoch 2), it resumes from the checkpoint after step 6;
     # 3 steps a Ray call: it must still equal the plain run, step by step.
@@ -217,3 +227,55 @@ def test_replicas_survive_a_killed_actor_and_a_change_of_replicas(fp64_runs, tin
         got = torch.load(result["model"], weights_only=True)
         assert got.keys() == want.keys()
         assert max((got[k] - want[k]).abs().max().item() for k in want if want[k].numel()) < 1e-9
+
+
+def assert_equals_plain(fp64_runs, result: dict) -> None:
+    plain, _, _ = fp64_runs
+    assert result["epochs"] == plain["epochs"] == 2
+    assert max_abs_diff(load_model_pt(plain), load_model_pt(result)) < 1e-9
+
+
+@pytest.mark.slow  # more fp64 runs
+def test_a_stage_killed_while_the_stages_are_rebuilt_counts_as_one_more_failure(fp64_runs, tiny_data, tmp_path, capfd):
+    """Issue 48's reproduction: a stage killed after the first checkpoint, then one of the new
+    stage actors SIGKILLed from outside as soon as it exists, while the stages start again: two
+    failures of --max-failures 2, and the model of the uninterrupted run."""
+    marker = tmp_path / "killed"
+    with Killer("ray::StageWorker") as killer:
+        killer.start(lambda: killer.kill_first_new(after=exists(marker), why="while the stages are rebuilt"))
+        res = run_cli(capfd, *fp64_args(tiny_data, str(tmp_path)), "--name", "rebuilt", "--max-failures", "2",
+                      "--checkpoint-every-steps", "2", "--inject-fault", f"1:s4:{marker}", "--json")  # fmt: skip
+    assert res.code == 0, res.err[-3000:]
+    assert len(killer.kills) == 1, killer.kills
+    assert marker.read_text() == "killed stage 1 after step 4\n"
+    restarts = [line for line in res.out.splitlines() if "restarting the stages" in line]
+    assert len(restarts) == 2, res.out[-3000:]
+    # Killed after step 4, before its checkpoint: the checkpoint's gathering fails, and the run resumes after step 2.
+    assert "failed while gathering the " in restarts[0]
+    assert restarts[0].endswith("state: its actor died: killed by ray.kill; restarting the stages from the last checkpoint (1/2)")
+    assert "at epoch 1 step 3" in res.out
+    assert f"failed while starting: its actor died: {ABRUPT}; restarting the stages from the last checkpoint (2/2)" in restarts[1]
+    assert "Unhandled error" not in res.err and "Traceback" not in res.err
+    assert_equals_plain(fp64_runs, res.last_json)
+
+
+@pytest.mark.slow  # more fp64 runs
+@pytest.mark.parametrize("max_failures", [1, 0])
+def test_a_stage_killed_during_the_first_start_is_retried_or_ends_the_run_in_one_line(
+    fp64_runs, tiny_data, tmp_path, capfd, max_failures
+):
+    with Killer("ray::StageWorker") as killer:
+        killer.start(lambda: killer.kill_first_new(why="during the first start"))
+        res = run_cli(capfd, *fp64_args(tiny_data, str(tmp_path)), "--name", "first", "--max-failures", str(max_failures), "--json")
+    assert len(killer.kills) == 1, killer.kills
+    assert "Unhandled error" not in res.err and "Traceback" not in res.err
+    failed = f"(of stages 0-1) failed while starting: its actor died: {ABRUPT}"
+    if max_failures:
+        assert res.code == 0, res.err[-3000:]
+        assert f"{failed}; restarting the stages from the last checkpoint (1/1)" in res.out
+        assert_equals_plain(fp64_runs, res.last_json)
+        return
+    assert res.code == 1
+    lines = [line for line in res.err.splitlines() if line.strip() and not RAY_FORWARDED.match(line)]
+    assert len(lines) == 1 and lines[0].startswith("raytrain-mp: failed: pipeline stage "), lines
+    assert lines[0].endswith(f"{failed} (0 restarts used of --max-failures 0)")
