@@ -3,9 +3,10 @@
 Three trials, each in float64 with a checkpoint every 2 steps and ``--max-failures 100``, on a
 tiny synthetic data set, against the same run left alone:
 
-- ``ddp``: Ray Train workers (``ray::RayTrainWorker``) killed at random moments, every second
-  kill followed by one of a new worker as the group restarts, and the run's board actor
-  (``ray::Board``, the driver's progress lines) killed once;
+- ``ddp``: Ray Train workers (``ray::RayTrainWorker``) killed at random moments (half of them
+  soon after the workers start, half soon after a new checkpoint: in steps, evaluations and
+  checkpoint writes), every second kill followed by one of a new worker as the group restarts,
+  and the run's board actor (``ray::Board``, the driver's progress lines) killed once;
 - ``pipeline``: stage actors (``ray::StageWorker``) killed the same way, every second kill
   followed by one of a new stage actor while the stages are rebuilt;
 - ``driver``: the ``raytrain-mp pipeline`` process itself SIGKILLed after its first checkpoint,
@@ -108,7 +109,8 @@ def soak_trainer(command: str, data: str, storage: str, seed: int, faults: int, 
     by a kill during the restart), and for ``ddp`` one of its board."""
     victims = "ray::RayTrainWorker" if command == "ddp" else "ray::StageWorker"
     with Killer(victims) as workers, Killer("ray::Board") as board:
-        workers.start(lambda: workers.kill_at_random(seed, faults, gap_s=(0.5, 3.0), rebuild_every=2))
+        soaked = Path(storage) / "soaked"
+        workers.start(lambda: workers.kill_at_random(seed, faults, gap_s=(0.5, 3.0), rebuild_every=2, checkpoints=soaked))
         if command == "ddp":
             board.start(lambda: board.kill_at_random(seed + 1, 1, gap_s=(3.0, 10.0)))
         code, output, result = run(*argv(command, data, storage, "soaked", epochs), "--max-failures", "100", *STEP_CHECKPOINTS)
@@ -159,7 +161,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--faults", type=int, default=10, help="random kills per trainer (plus those during restarts)")
     parser.add_argument("--seed", type=int, default=48)
-    parser.add_argument("--epochs", type=int, default=4, help="epochs of 5 steps; enough to outlast the faults")
+    parser.add_argument("--epochs", type=int, default=6, help="epochs of 5 steps (3 checkpoints each): enough to outlast the faults")
     parser.add_argument("--out", default=None, help="where soak.json goes (and the runs, under runs/)")
     args = parser.parse_args()
     import ray

@@ -99,12 +99,25 @@ class Killer:
             pid = min(found)
             self._kill(pid, found[pid], why)
 
-    def kill_at_random(self, seed: int, faults: int, gap_s: tuple[float, float], rebuild_every: int = 0) -> None:
-        """``faults`` kills of a random process with the title, each ``gap_s`` (uniform) seconds
-        after the last; with ``rebuild_every`` k, every k-th kill is followed by one of the next
-        new process (a kill during the restart the last one caused)."""
+    def kill_at_random(
+        self, seed: int, faults: int, gap_s: tuple[float, float], rebuild_every: int = 0, checkpoints: Path | None = None
+    ) -> None:
+        """``faults`` kills of a random process with the title. Each comes ``gap_s`` (uniform)
+        seconds after such processes exist, or, with ``checkpoints`` (a run folder) for every
+        other one on average, that long after the run publishes a checkpoint it had not before:
+        the first kind lands mostly in start-ups, the second in steps, evaluations and checkpoint
+        writes, and the run gets on between them. With ``rebuild_every`` k, every k-th kill is
+        followed by one of the next new process (a kill during the restart the last one caused)."""
         rng = random.Random(seed)
         for fault in range(1, faults + 1):
+            why = f"random {fault}"
+            if checkpoints is not None and rng.random() < 0.5:
+                published = set(Path(checkpoints).glob("checkpoint_*"))
+                if not self._wait(lambda: set(Path(checkpoints).glob("checkpoint_*")) - published):
+                    return
+                why += " after a new checkpoint"
+            elif not self._wait(lambda: titled(self.prefix, self.root)):
+                return
             if self._stop.wait(rng.uniform(*gap_s)):
                 return
             alive = self._wait(lambda: titled(self.prefix, self.root))
@@ -112,7 +125,7 @@ class Killer:
                 return
             before = set(alive)
             pid = rng.choice(sorted(alive))
-            self._kill(pid, alive[pid], f"random {fault}")
+            self._kill(pid, alive[pid], why)
             if rebuild_every and fault % rebuild_every == 0:
                 found = self._wait(lambda: {p: t for p, t in titled(self.prefix, self.root).items() if p not in before})
                 if found:
