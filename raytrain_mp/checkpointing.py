@@ -17,7 +17,9 @@ persistence layer, a rename) publishes it, so a crash never leaves a half-writte
 three files are there and: in a run Ray Train kept (ddp, a sweep's trial), it is listed in the run's
 ``checkpoint_manager_snapshot.json`` (Ray records a checkpoint only after its upload, which is no
 rename, also locally); in a pipeline run, it is local (renamed into place) or has the ``.complete``
-marker it is uploaded with last.
+marker it is uploaded with last. Both loops publish here, each after publishing the run's log (so
+it covers every step of the checkpoint): a ddp worker hands the folder to Ray Train
+(``report_checkpoint``), the pipeline driver renames or uploads it (``publish_checkpoint``).
 
 A run a signal stopped is told by its last published checkpoint (``interrupted_line``): the one a
 rerun continues from.
@@ -37,7 +39,7 @@ import torch
 from torch import nn
 
 from raytrain_mp.interruption import Interrupted
-from raytrain_mp.storage import COMPLETE_MARKER, Location, download_folder, name_of
+from raytrain_mp.storage import COMPLETE_MARKER, Location, delete_folder, download_folder, is_complete, name_of, publish_folder
 
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
@@ -72,6 +74,13 @@ def resume_position(last_epoch: int, steps_done: int, steps_per_epoch: int) -> t
     return epoch, step
 
 
+def resumed_at(train_state: dict, steps_per_epoch: int, no_loss: Any) -> tuple[tuple[int, int], Any]:
+    """(``resume_position`` of a checkpoint's ``train_state``, the loss of the epoch's steps before
+    it): what ``checkpoint_state`` saved within an epoch, ``no_loss`` at an epoch's start."""
+    position = resume_position(train_state["epoch"], train_state.get("step", 0), steps_per_epoch)
+    return position, train_state.get("epoch_loss", no_loss) if position[1] else no_loss
+
+
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The state dict of the model inside DDP (or any ``.module`` wrapper), on the CPU."""
     inner = getattr(model, "module", model)
@@ -95,6 +104,49 @@ def write_checkpoint(model_state: dict, train_state: dict, config_yaml: str, par
     torch.save(train_state, folder / STATE_FILE)
     (folder / CONFIG_FILE).write_text(config_yaml)
     return folder
+
+
+def checkpoint_state(epoch: int, step: int, epoch_loss: Any, **state: Any) -> dict[str, Any]:
+    """``train_state.pt`` of a checkpoint after ``step`` steps of epoch ``epoch`` (from 0), or after
+    the whole epoch when ``step`` is 0: what the loop resumes (``state``: optimizer states and the
+    like), the position as ``resume_position`` reads it (``epoch``: the last finished one), the
+    epoch's loss so far and the RNG states."""
+    position = {"epoch": epoch - 1 if step else epoch, "step": step, "epoch_loss": epoch_loss}
+    return {**state, **position, "rng": rng_states()}
+
+
+def report_checkpoint(metrics: dict, name: str, checkpoint: tuple[dict, dict, str] | None, log: Any) -> None:
+    """Ray Train's way to publish (a ddp worker): every rank reports ``metrics``; the one holding
+    ``checkpoint`` (``write_checkpoint``'s arguments) publishes its run ``log`` first, so that the
+    log covers every step of the checkpoint, and attaches it, to be uploaded as ``name``."""
+    import ray.train  # Ray Train only in a worker that reports to it
+
+    folder = None
+    if checkpoint is not None:
+        log.publish()
+        folder = ray.train.Checkpoint.from_directory(write_checkpoint(*checkpoint))
+    ray.train.report(metrics, checkpoint=folder, checkpoint_dir_name=name, delete_local_checkpoint_after_upload=True)
+
+
+def local_parent(run: Location) -> str | None:
+    """Where a checkpoint is written before publishing: inside a local run folder (so publishing
+    is a rename on one filesystem), else the system's temporary folder."""
+    if not run.is_local:
+        return None
+    Path(run.path).mkdir(parents=True, exist_ok=True)
+    return run.path
+
+
+def publish_checkpoint(run: Location, name: str, checkpoint: tuple[dict, dict, str], log: Any, num_to_keep: int) -> Location:
+    """The pipeline driver's way to publish: its run ``log`` first (see ``report_checkpoint``), then
+    ``checkpoint`` (``write_checkpoint``'s arguments) written locally and published into ``run`` as
+    ``name`` (``storage.publish_folder``: never half there); drops the oldest beyond ``num_to_keep``."""
+    log.publish()
+    target = run.child(name)
+    publish_folder(write_checkpoint(*checkpoint, parent=local_parent(run)), target)
+    for old in [f for f in run.folders(CHECKPOINT_PREFIX, checkpoint_order) if is_complete(f)][:-num_to_keep]:
+        delete_folder(old)
+    return target
 
 
 def read_checkpoint(folder: str | Path) -> tuple[dict, dict]:

@@ -27,3 +27,8 @@ class RunFailedError(RuntimeError):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(str(message).split()))
+
+    @classmethod
+    def after_restarts(cls, what: str, used: int, allowed: int) -> RunFailedError:
+        """``what`` failed with ``used`` of ``--max-failures allowed`` restarts behind it."""
+        return cls(f"{what} ({used} restart{'s' * (used != 1)} used of --max-failures {allowed})")

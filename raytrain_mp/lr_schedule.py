@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 RULES = ("linear", "sqrt", "none")
 DECAYS = ("cosine", "step", "none")
@@ -93,3 +94,12 @@ def make_schedule(
     # Warmup ramps up from base_lr (Goyal et al.); below base_batch the peak is smaller and there is nothing to ramp.
     start = min(base_lr, peak)
     return LRSchedule(start, peak, warmup, total, decay, steps_per_epoch, step_epochs, gamma)
+
+
+def schedule_for(cfg: Any, steps_per_epoch: int) -> LRSchedule:
+    """``make_schedule`` of a training command's config (``config.TrainOptions``' lr options and
+    its ``global_batch_size``) at ``steps_per_epoch`` optimizer steps an epoch."""
+    return make_schedule(
+        cfg.base_lr, cfg.global_batch_size, cfg.base_batch, cfg.lr_rule, cfg.warmup_epochs,
+        cfg.epochs, steps_per_epoch, cfg.lr_decay, cfg.step_epochs, cfg.gamma,
+    )  # fmt: skip

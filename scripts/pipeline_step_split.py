@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 from raytrain_mp.bench.pipeline import LR, MOMENTUM, even_cut, seeded_mlp, sgd, stage_modules
-from raytrain_mp.pipeline.stage import TORCH_SCHEDULES, StageConfig, StageWorker, run_at_normal_niceness
+from raytrain_mp.pipeline.schedule import SCHEDULES
+from raytrain_mp.pipeline.stage import StageConfig, StageWorker, run_at_normal_niceness
 
 BLOCK = 40  # steps a timed block
 BATCH, LAYERS = 64, 4  # bench pipeline's overhead case with its interleaved schedules on
@@ -49,10 +50,10 @@ def measure(schedule: str, m: int, rounds: int) -> dict[str, list[float]] | None
     ours = StageWorker([stage_modules(copy.deepcopy(model), blocks)[rank]], config)
     chunk = stage_modules(model, blocks)[rank].train()
     optimizer = sgd(chunk)
-    theirs = TORCH_SCHEDULES[schedule](PipelineStage(chunk, rank, world, torch.device("cpu")), m, loss_fn=F.cross_entropy)
+    theirs = SCHEDULES[schedule].torch_class()(PipelineStage(chunk, rank, world, torch.device("cpu")), m, loss_fn=F.cross_entropy)
 
     def our_step() -> None:
-        ours.train_step(schedule, m, (BATCH // m, *x.shape[1:]), x if rank == 0 else None, y if rank == world - 1 else None)
+        ours.train_step(SCHEDULES[schedule], m, (BATCH // m, *x.shape[1:]), x if rank == 0 else None, y if rank == world - 1 else None)
 
     def their_step() -> None:
         theirs.step(x) if rank == 0 else theirs.step(target=y, return_outputs=False)

@@ -52,9 +52,9 @@ def record_spans() -> None:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-    from raytrain_mp.pipeline.stage import TORCH_SCHEDULES
+    from raytrain_mp.pipeline.schedule import SCHEDULES
 
-    names = {schedule: name for name, schedule in TORCH_SCHEDULES.items()}  # "1f1b" for Schedule1F1B
+    names = {entry.torch_class(): name for name, entry in SCHEDULES.items()}  # "1f1b" for Schedule1F1B
     path = Path(os.environ[SPANS_ENV]) / f"{os.environ[RUNTIME_ENV]}-{os.getpid()}.jsonl"
     ops: list[tuple[str, int, int, float, float]] = []
 

@@ -18,7 +18,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "raytrain_mp"
 
-SHARED_MODULES = {"allocator", "checkpointing", "cluster", "config", "errors", "faults", "interruption", "lr_schedule", "models", "niceness", "optim", "plots", "progress", "run_log", "storage"}
+SHARED_MODULES = {"allocator", "checkpointing", "cluster", "config", "epochs", "errors", "faults", "interruption", "lr_schedule", "models", "niceness", "optim", "plots", "progress", "run_log", "storage"}
 CAPABILITIES = {"ddp", "pipeline", "tune", "bench", "inference"}
 # What each unit may import besides itself. "shared" is the top-level shared modules.
 ALLOWED = {

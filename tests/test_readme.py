@@ -67,6 +67,7 @@ NOT_HERE = {
         "and checks every figure of its results.json",
     "raytrain-mp bench pipeline --out docs/bench/pipeline": "26 minutes alone on 2 cores; its figures are committed in docs/bench",
     "raytrain-mp bench ddp --out docs/bench/ddp": "6.5 minutes alone on 2 cores; its figures are committed in docs/bench",
+    "python scripts/soak.py --faults 10 --out soak": "4 to 6 minutes on 2 cores; tests/test_soak.py runs it with 2 faults per trainer, and docs/runs.md quotes its figures",
     "raytrain-mp bench data --out docs/bench/data": "minutes on 2 cores; its figures are committed in docs/bench",
     "raytrain-mp bench pipeline --out docs/bench/hybrid --model resnet18 --image-size 32 --global-batch-size 32 --microbatches 2 --steps 5 --warmup 1 --no-balanced --no-interleaved --no-overhead":
         "minutes on 2 cores; its figures are committed in docs/bench",

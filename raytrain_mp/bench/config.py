@@ -110,7 +110,7 @@ class BenchPipelineConfig:
     overhead_batch_size: int = option(64, "overhead case: samples per step of the MLP", group="benchmark")
     overhead_microbatches: tuple[int, ...] = option((2, 4, 8, 16), "overhead case: the m values to sweep", group="benchmark")
     overhead_schedules: tuple[str, ...] = option(
-        SCHEDULES, f"overhead case: schedules to sweep (interleaved ones with 2 stages per actor), of {', '.join(SCHEDULES)}", group="benchmark"
+        tuple(SCHEDULES), f"overhead case: schedules to sweep (interleaved ones with 2 stages per actor), of {', '.join(SCHEDULES)}", group="benchmark"
     )
     overhead_steps: int = option(40, "overhead case: timed steps per figure and round (after a few untimed ones)", group="benchmark")
     overhead_steps_per_call: int = option(

@@ -54,7 +54,7 @@ from torch.distributed.pipelining import PipelineStage
 from raytrain_mp.bench.common import join_torchrun_group, summarize, timed
 from raytrain_mp.bench.pipeline.shared import seeded_mlp, seeded_setup, sgd, stage_modules, virtual_stages
 from raytrain_mp.pipeline.memory_format import in_layout
-from raytrain_mp.pipeline.stage import TORCH_SCHEDULES
+from raytrain_mp.pipeline.schedule import SCHEDULES, stage_indices
 SETUPS = {"seeded_setup": seeded_setup, "seeded_mlp": seeded_mlp}
 
 
@@ -73,25 +73,27 @@ def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -
     figures."""
     model, x, y = SETUPS[case["setup"]](**case["arguments"])
     x, y = x.to(device), y.to(device)
-    # per virtual-stage count: this rank's chunks (r, r + world, ...) and their optimizer
+    # per virtual-stage count: this rank's chunks (torch's loop layout: r, r + world, ...) and their optimizer
     held = {}
     for virtual, chunk_blocks in case["chunk_blocks"].items():
-        chunks = [chunk.to(device).train() for chunk in stage_modules(model, chunk_blocks)[rank::world]]
-        held[int(virtual)] = (chunks, sgd(nn.ModuleList(chunks)))
+        indices, every = stage_indices(rank, world, int(virtual), "loop"), stage_modules(model, chunk_blocks)
+        chunks = [every[i].to(device).train() for i in indices]
+        held[int(virtual)] = (indices, chunks, sgd(nn.ModuleList(chunks)))
     runs: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     for name in case["schedules"]:
         virtual = virtual_stages(name)
-        chunks, optimizer = held[virtual]
+        indices, chunks, optimizer = held[virtual]
         for m in case["microbatches"]:
             reason = uneven(len(x), m)
             if reason is None:
                 # in the layouts ours computed this point in, where the case names them
                 layouts = case.get("layouts", {}).get(f"{name} {m}", [["contiguous"] * virtual] * world)[rank]
                 runners = [in_layout(chunk, layout) for chunk, layout in zip(chunks, layouts)]
-                stages = [PipelineStage(runner, rank + v * world, world * virtual, device) for v, runner in enumerate(runners)]
+                stages = [PipelineStage(runner, index, world * virtual, device) for index, runner in zip(indices, runners)]
                 try:
-                    schedule = TORCH_SCHEDULES[name](stages if virtual > 1 else stages[0], m, loss_fn=F.cross_entropy)
+                    entry = SCHEDULES[name]
+                    schedule = entry.torch_class()(stages if entry.multi_stage else stages[0], m, loss_fn=F.cross_entropy)
                 except ValueError as exc:  # the schedule's own check, e.g. 1F1B with m < stages
                     reason = " ".join(str(exc).split())
             if reason is not None:

@@ -146,7 +146,7 @@ def run_ddp(cfg: DDPConfig) -> dict:
         with environment(controller_env(cfg)):
             summary = summarize(watch.fit(build_trainer(cfg).fit), cfg)
     except TrainingFailedError as exc:  # Ray Train used up --max-failures restarts
-        raise RunFailedError(f"{training_failure(exc)} (after --max-failures {cfg.max_failures} restarts)") from None
+        raise RunFailedError.after_restarts(training_failure(exc), cfg.max_failures, cfg.max_failures) from None
     except Interrupted as exc:
         exc.at, exc.run = watch.position, run
         raise

@@ -2,7 +2,7 @@
 
 Pure pieces (no Ray): ``block`` (what a block is), ``blocks`` (model -> named blocks; ``traced`` for a
 model cut from its torch.fx graph), ``partition`` (blocks -> stages),
-``schedule`` (names, limits, ideal bubbles), ``microbatch`` (batch -> micro-batches), ``deferred_bn``, ``replicas``
+``schedule`` (the schedule registry: each one's torch class, limits, ideal bubble, stage layout), ``microbatch`` (batch -> micro-batches), ``deferred_bn``, ``replicas``
 (data x pipeline: rank layout, batch shares, replica placement, BatchNorm merge weights), ``handoff``
 (a batch to a stage actor, zero-copy), ``layouts`` (memory-format names), ``memory_format`` (a
 stage's layout: channels-last or contiguous inside, contiguous at its edges), ``busy_clock`` (the
@@ -31,8 +31,8 @@ _EXPORTS = {
     **dict.fromkeys(("MicroBatch", "check_microbatches", "split_batch"), "microbatch"),
     **dict.fromkeys(("BALANCE_MODES", "StagePlan", "balance_bounds", "balance_fill_drain_bounds", "plan_stages",
                      "profile_blocks", "split_bounds"), "partition"),
-    **dict.fromkeys(("SCHEDULES", "build_schedule", "check_schedule", "clock_ticks", "gpipe", "ideal_bubble",
-                     "one_f_one_b"), "schedule"),
+    **dict.fromkeys(("SCHEDULES", "Schedule", "build_schedule", "check_schedule", "clock_ticks", "gpipe", "ideal_bubble",
+                     "one_f_one_b", "stage_indices"), "schedule"),
     **dict.fromkeys(("PLACEMENT_STRATEGIES", "PipelineTrainer", "StageFailedError"), "trainer"),
     "StageData": "feed",
 }

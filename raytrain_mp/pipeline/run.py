@@ -17,9 +17,12 @@ Invariants:
 - A checkpoint folder holds one merged ``model.pt`` (the plain model's state dict, loadable with
   ``strict=True``) and ``train_state.pt`` with each stage's optimizer state; it is written into a
   local temporary folder and published as ``STORAGE/NAME/checkpoint_EEEEEE`` (or
-  ``checkpoint_EEEEEE_step_SSSSSS`` within an epoch, ``checkpointing.checkpoint_name``; ``storage``: renamed
-  locally, uploaded with a completion marker last on object stores), so it is never half there,
-  and resuming only ever picks a complete one.
+  ``checkpoint_EEEEEE_step_SSSSSS`` within an epoch, ``checkpointing.checkpoint_name``;
+  ``checkpointing.publish_checkpoint``: renamed locally, uploaded with a completion marker last on
+  object stores), so it is never half there, and resuming only ever picks a complete one.
+- What the DDP loop decides too is decided as it does, in the shared layer: when a checkpoint is
+  due, the epoch's line and the run's dtype (``epochs``), the learning rate of each global step
+  (``lr_schedule.schedule_for``), the ``--inject-fault`` spec (``config.FaultSpec``).
 - A stage failure (``StageFailedError``) with failures left rebuilds every stage actor of every
   replica from the newest checkpoint (or the initial model when there is none yet) and continues
   from there, whatever the phase it came in: the stages' start or rebuild, balance trials,
@@ -48,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from pathlib import Path
 
 import ray
 import torch
@@ -59,38 +61,32 @@ from raytrain_mp.checkpointing import (
     MODEL_FILE,
     checkpoint_name,
     checkpoint_order,
+    checkpoint_state,
     load_checkpoint,
     load_train_state,
-    resume_position,
-    rng_states,
+    publish_checkpoint,
+    resumed_at,
     set_rng_states,
-    write_checkpoint,
     write_result,
 )
-from raytrain_mp.config import absolute_path, to_yaml
+from raytrain_mp.config import FaultSpec, absolute_path, to_yaml
 from raytrain_mp.pipeline.config import PipelineConfig, as_flag_error
 from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.errors import RunFailedError, UsageError
 from raytrain_mp.interruption import Interrupted
 from raytrain_mp.progress import Console, Progress
-from raytrain_mp.storage import Location, check_reachable, delete_folder, is_complete, latest_complete, locate, publish_folder
-from raytrain_mp.lr_schedule import make_schedule
-from raytrain_mp.models import build_model, check_model
+from raytrain_mp.epochs import build_run_model, checkpoint_due, due_by_steps, epoch_line
+from raytrain_mp.storage import Location, check_reachable, latest_complete, locate
+from raytrain_mp.lr_schedule import schedule_for
+from raytrain_mp.models import check_model
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
 from raytrain_mp.pipeline.blocks import flatten_model
 from raytrain_mp.pipeline.feed import StageData
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
 from raytrain_mp.pipeline.replicas import replica_and_stage
-from raytrain_mp.pipeline.schedule import FLAT_SCHEDULES, bubble_for_stage_times
+from raytrain_mp.pipeline.schedule import stage_times_bubble
 from raytrain_mp.run_log import RunLog
-
-
-def build_run_model(cfg: PipelineConfig, meta) -> nn.Module:
-    """The run's model for the data set ``meta`` describes, in the run's dtype (``models`` adapts
-    it to the data: channels, small stem, image size)."""
-    dtype = torch.float64 if cfg.precision == "fp64" else torch.float32
-    return build_model(cfg.model, meta.num_classes, meta.channels, cfg.small_stem, cfg.weights, image_size=meta.image_size).to(dtype)
 
 
 def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
@@ -153,44 +149,19 @@ def with_saved_split(cfg: PipelineConfig, names: list[str]) -> PipelineConfig:
     return dataclasses.replace(cfg, split_points=saved)
 
 
-def local_parent(run: Location) -> str | None:
-    """Where a checkpoint is written before publishing: inside a local run folder (so publishing
-    is a rename on one filesystem), else the system's temporary folder."""
-    if not run.is_local:
-        return None
-    Path(run.path).mkdir(parents=True, exist_ok=True)
-    return run.path
-
-
-def publish_checkpoint(folder: Path, run: Location, name: str, num_to_keep: int) -> Location:
-    """Publish a complete local checkpoint folder into the run as ``name``, then drop the oldest beyond ``num_to_keep``."""
-    target = run.child(name)
-    publish_folder(folder, target)
-    for old in [f for f in run.folders(CHECKPOINT_PREFIX, checkpoint_order) if is_complete(f)][:-num_to_keep]:
-        delete_folder(old)
-    return target
-
-
-def save_checkpoint(cfg: PipelineConfig, trainer: PipelineTrainer, run: Location, epoch: int, step: int, loss_sum: float) -> Location:
+def save_checkpoint(cfg: PipelineConfig, trainer: PipelineTrainer, run: Location, log: RunLog, epoch: int, step: int, loss_sum: float) -> Location:
     """Checkpoint after ``step`` steps of ``epoch`` (from 0), or after the whole epoch when ``step``
     is 0; ``loss_sum`` is the sum of that epoch's step losses so far."""
-    train_state = {
-        "optimizer": trainer.optimizer_state_dicts(),
-        "epoch": epoch - 1 if step else epoch,  # the last finished epoch, as DDP's checkpoints say it
-        "step": step,
-        "epoch_loss": loss_sum,
-        "rng": rng_states(),
-        "split_points": cfg.split_points,
-    }
-    folder = write_checkpoint(trainer.state_dict(), train_state, to_yaml(cfg), parent=local_parent(run))
-    return publish_checkpoint(folder, run, checkpoint_name(epoch + 1, step), cfg.num_to_keep)
+    train_state = checkpoint_state(epoch, step, loss_sum, optimizer=trainer.optimizer_state_dicts(), split_points=cfg.split_points)
+    checkpoint = (trainer.state_dict(), train_state, to_yaml(cfg))
+    return publish_checkpoint(run, checkpoint_name(epoch + 1, step), checkpoint, log, cfg.num_to_keep)
 
 
 def step_segments(first: int, steps_per_epoch: int, epoch: int, every: int | None) -> list[range]:
     """The epoch's steps from ``first`` on, cut after every global step that ``every`` divides
-    (``--checkpoint-every-steps``): a checkpoint follows each segment but the last."""
+    (``--checkpoint-every-steps``, ``epochs.due_by_steps``): a checkpoint follows each segment but the last."""
     done = epoch * steps_per_epoch
-    cuts = [step for step in range(first + 1, steps_per_epoch) if every and (done + step) % every == 0]
+    cuts = [step for step in range(first + 1, steps_per_epoch) if due_by_steps(done + step, every)]
     bounds = [first, *cuts, steps_per_epoch]
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
@@ -203,18 +174,15 @@ def profile_batch(model: nn.Module, meta, batch_size: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
 
 
-def maybe_kill_stage(spec: str | None, trainer: PipelineTrainer, at: str) -> None:
-    """Testing hook: ``INDEX:WHEN:MARKER`` kills stage actor INDEX (stage INDEX % --stages of
+def maybe_kill_stage(fault: FaultSpec | None, trainer: PipelineTrainer, at: str) -> None:
+    """Testing hook (``--inject-fault``): kills stage actor INDEX (stage INDEX % --stages of
     replica INDEX // --stages) once at WHEN: ``E`` after epoch E, ``sS`` after global step S."""
-    if spec is None:
+    if fault is None or not fault.due(at):
         return
-    index, when, marker = spec.split(":", 2)
-    replica, stage = replica_and_stage(int(index), trainer.num_stages)
-    if when == at and not Path(marker).exists():
-        of = f" of replica {replica}" if trainer.num_replicas > 1 else ""
-        what = f"epoch {at}" if at.isdigit() else f"step {at[1:]}"
-        Path(marker).write_text(f"killed stage {stage}{of} after {what}\n")
-        ray.kill(trainer.actor(stage, replica))
+    replica, stage = replica_and_stage(fault.index, trainer.num_stages)
+    of = f" of replica {replica}" if trainer.num_replicas > 1 else ""
+    fault.mark(f"killed stage {stage}{of}")
+    ray.kill(trainer.actor(stage, replica))
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
@@ -225,10 +193,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     model = build_run_model(cfg, meta)
     data = StageData(cfg.data, cfg.global_batch_size, cfg.seed, cfg.augment, cfg.loader_workers, cfg.loader_prefetch)
     steps_per_epoch = meta.counts["train"] // cfg.global_batch_size
-    schedule = make_schedule(
-        cfg.base_lr, cfg.global_batch_size, cfg.base_batch, cfg.lr_rule, cfg.warmup_epochs,
-        cfg.epochs, steps_per_epoch, cfg.lr_decay, cfg.step_epochs, cfg.gamma,
-    )  # fmt: skip
+    schedule = schedule_for(cfg, steps_per_epoch)
     run = run_location(cfg)
     sample = profile_batch(model, meta, cfg.global_batch_size)  # what time balancing profiles
     console = Console(quiet=cfg.quiet)
@@ -245,8 +210,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 model.load_state_dict(model_state, strict=True)
                 optimizer_states = train_state["optimizer"]
                 set_rng_states(train_state["rng"])
-                position = resume_position(train_state["epoch"], train_state.get("step", 0), steps_per_epoch)
-                carried = train_state.get("epoch_loss", 0.0) if position[1] else 0.0
+                position, carried = resumed_at(train_state, steps_per_epoch, 0.0)
                 at = f" step {position[1] + 1}" if position[1] else ""
                 console.say(f"resuming from {resume.uri} at epoch {position[0] + 1}{at}")
             steps_done = position[0] * steps_per_epoch + position[1]
@@ -273,8 +237,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                     trainer.shutdown()
             except StageFailedError as exc:
                 if cfg.max_failures != -1 and failures >= cfg.max_failures:
-                    used = f"{failures} restart{'s' * (failures != 1)} used of --max-failures {cfg.max_failures}"
-                    raise RunFailedError(f"{exc} ({used})") from None
+                    raise RunFailedError.after_restarts(str(exc), failures, cfg.max_failures) from None
                 failures += 1
                 of = "unlimited" if cfg.max_failures == -1 else cfg.max_failures
                 console.say(f"{exc}; restarting the stages from the last checkpoint ({failures}/{of})")
@@ -351,9 +314,9 @@ def stage_time_metrics(stats: dict, cfg: PipelineConfig) -> dict:
     steps = max(stats["steps"], 1)
     busy, forward = (stats[key][: cfg.stages] for key in ("busy_seconds", "forward_busy_seconds"))
     metrics = {"stage_seconds_per_step": [seconds / steps for seconds in busy]}
-    if cfg.schedule in FLAT_SCHEDULES and cfg.virtual_stages == 1 and stats["steps"]:
-        forward_part = forward if cfg.schedule == "gpipe" else None  # GPipe's phases count apart
-        metrics["bubble_for_stage_times"] = bubble_for_stage_times(busy, cfg.microbatches, forward_part)
+    predicted = stage_times_bubble(cfg.schedule, busy, cfg.microbatches, forward) if stats["steps"] else None
+    if predicted is not None:  # fill-drain schedules count their phases apart
+        metrics["bubble_for_stage_times"] = predicted
     return metrics
 
 
@@ -372,6 +335,7 @@ def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: flo
     steps_per_epoch = trainer.steps_per_epoch
     start_epoch, start_step = position
     log = RunLog(run, start_epoch * steps_per_epoch + start_step, cfg.global_batch_size)
+    fault = FaultSpec.parse(cfg.inject_fault)
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
         loss_sum = carried if first else 0.0
@@ -387,10 +351,9 @@ def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: flo
                     console.progress(progress.line(loss_sum / (step + 1)), due)
                 if due == "log":
                     log.step(done, epoch + 1, loss_sum / (step + 1), schedule(done - 1), trainer.stats(reset=False)["bubble_fraction"])
-                maybe_kill_stage(cfg.inject_fault, trainer, f"s{done}")
+                maybe_kill_stage(fault, trainer, f"s{done}")
             if segment.stop < steps_per_epoch:
-                log.publish()  # the published log covers every step of a checkpoint (a resume truncates it there)
-                checkpoint = save_checkpoint(cfg, trainer, run, epoch, segment.stop, loss_sum)
+                checkpoint = save_checkpoint(cfg, trainer, run, log, epoch, segment.stop, loss_sum)
         elapsed = time.perf_counter() - started
         stats = trainer.stats()
         metrics = {
@@ -404,17 +367,11 @@ def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: flo
         }
         if not math.isfinite(metrics["train_loss"]):
             raise FloatingPointError(f"non-finite training loss at epoch {epoch + 1}; lower --base-lr")
-        every_steps = cfg.checkpoint_every_steps
-        done = (epoch + 1) * steps_per_epoch
-        log.epoch(done, metrics)
-        if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs or (every_steps and done % every_steps == 0):
-            checkpoint = save_checkpoint(cfg, trainer, run, epoch, 0, loss_sum)
-        console.say(
-            f"epoch {epoch + 1}/{cfg.epochs} train_loss {metrics['train_loss']:.4f} val_loss {metrics['val_loss']:.4f} "
-            f"val_accuracy {metrics['val_accuracy']:.4f} samples/s {metrics['samples_per_second']:.1f} "
-            f"bubble {metrics['bubble_fraction']:.3f}{describe_stage_times(metrics)} lr {metrics['lr']:.5f}"
-        )
-        maybe_kill_stage(cfg.inject_fault, trainer, str(epoch + 1))
+        log.epoch((epoch + 1) * steps_per_epoch, metrics)
+        if checkpoint_due(cfg, epoch, steps_per_epoch, steps_per_epoch):
+            checkpoint = save_checkpoint(cfg, trainer, run, log, epoch, 0, loss_sum)
+        console.say(epoch_line(metrics, cfg.epochs, f" bubble {metrics['bubble_fraction']:.3f}{describe_stage_times(metrics)}"))
+        maybe_kill_stage(fault, trainer, str(epoch + 1))
     log.close()
     return {
         "val_accuracy": metrics.get("val_accuracy"),

@@ -17,8 +17,10 @@ A rank computes each stage in the configured ``memory_format`` (``memory_format`
 ``channels_last`` or ``contiguous``; ``auto`` times the stage in both on the first micro-batch of
 every new schedule, m or shape, and takes the faster), and sends and receives contiguous tensors.
 
-With ``virtual_stages`` V the model is cut into ``num_ranks * V`` stages and rank r holds stages
-r, r + num_ranks, ... (torch's interleaved layout); with V = 1 a rank holds one stage.
+With ``virtual_stages`` V the model is cut into ``num_ranks * V`` stages and a rank holds the ones
+``schedule.stage_indices`` gives for its ``StageConfig.layout`` (the loop: r, r + num_ranks, ...);
+with V = 1 a rank holds one stage. Each step's call brings the ``schedule.Schedule`` entry itself,
+which says which torch class runs it and what this module adds to it.
 
 With ``num_replicas`` R > 1 the world holds R pipelines (``replicas`` gives the rank layout): the
 schedule and the activations stay inside the replica's pipeline group, and after the schedule the
@@ -35,19 +37,19 @@ What torch's runtime does not do, and this module adds:
 - Our loss: the last stage's loss for a micro-batch is ``sum of cross-entropy * loss_scale`` with
   ``loss_scale = 1 / batch size`` and torch's ``scale_grads`` off, so accumulated gradients equal one
   backward of the batch mean and the returned losses sum to it.
-- Receives posted ahead (gloo only, GPipe and 1F1B: ``POST_AHEAD``): at the start of a step a rank
-  posts the step's receives into torch's per-micro-batch buffers, and waits on each just before
-  the forward or backward that reads it. Torch posts each receive only when its schedule reaches
-  it, and on gloo a message that arrived before then costs another exchange between the ranks:
-  on the overhead-bound MLP this halves GPipe's step.
-- The last backward split (GPipe and 1F1B): a rank's backward of the step's last micro-batch
-  computes the gradients of its input first, which the schedule sends at once, and the gradients of
-  its weights at the schedule's end, while the previous rank runs that micro-batch's backward. That
-  backward is the step's tail, which torch's schedules run one whole backward after another, rank
-  by rank; zero-bubble schedules split it the same way. ResNet-50's second stage at 128x128,
-  micro-batch 8, one thread: a whole backward 0.236 s, the input part 0.123 s, the weight part
-  0.136 s, so the previous rank starts 0.11 s sooner. The first stage sends no gradients and keeps
-  its whole backward; the interleaved schedules order their own.
+- Receives posted ahead (gloo only, the entry's ``post_ahead``; GPipe, 1F1B): at the start of a step
+  a rank posts the step's receives into torch's per-micro-batch buffers, and waits on each just
+  before the forward or backward that reads it. Torch posts each receive only when its schedule
+  reaches it, and on gloo a message that arrived before then costs another exchange between the
+  ranks: on the overhead-bound MLP this halves GPipe's step.
+- The last backward split (the entry's ``split_last_backward``; GPipe, 1F1B): a rank's backward of
+  the step's last micro-batch computes the gradients of its input first, which the schedule sends at
+  once, and the gradients of its weights at the schedule's end, while the previous rank runs that
+  micro-batch's backward. That backward is the step's tail, which torch's schedules run one whole
+  backward after another, rank by rank; zero-bubble schedules split it the same way. ResNet-50's
+  second stage at 128x128, micro-batch 8, one thread: a whole backward 0.236 s, the input part 0.123
+  s, the weight part 0.136 s, so the previous rank starts 0.11 s sooner. The first stage sends no
+  gradients and keeps its whole backward; the interleaved schedules order their own.
 - Clipping by the global norm over all ranks (one all-reduce), deferred BatchNorm commits, and the
   optimizer step, in the same call as the schedule.
 - The seconds a rank computes, which the trainer's bubble figures and time balance rest on: its
@@ -83,13 +85,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 
 from raytrain_mp.allocator import keep_freed_memory
 from raytrain_mp.errors import UsageError
@@ -104,30 +100,11 @@ from raytrain_mp.pipeline.memory_format import faster_layout, in_layout
 from raytrain_mp.pipeline.partition import profile_blocks
 from raytrain_mp.pipeline.replica_sync import merge_deferred_stats, merge_running_stats, snapshot, sum_gradients
 from raytrain_mp.pipeline.replicas import global_rank, pipeline_ranks, stage_ranks
-from raytrain_mp.pipeline.schedule import FLAT_SCHEDULES, INTERLEAVED_SCHEDULES
+from raytrain_mp.pipeline.schedule import Schedule, stage_indices, stage_rank
 
-TORCH_SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "interleaved-zb": ScheduleInterleavedZeroBubble,
-}
 # The dtypes an activation may have (bf16 under autocast), by their code in a shape header.
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _HEADER = 10  # ndim, dtype code, up to 8 dimensions
-# The receives a rank posts at the start of a step on gloo, per schedule (_TimedStage.post_receives).
-# Torch's schedules post a receive only when they need its data; on gloo a message that arrived
-# before that waits for the call and costs another exchange between the ranks. Measured on the
-# overhead MLP (2 ranks, 2 cores, ms a step, torch's posting -> posted ahead), m = 4, 8, 16:
-# - GPipe 4.1, 8.7, 13.7 -> 2.1, 3.9, 7.1 with both directions (each alone gains less);
-# - 1F1B 2.7, 5.2, 12.8 -> 2.5, 4.1, 10.8 with the gradients only. Posting its activations ahead
-#   too made it slower (8.1 ms at m=8), likely because gloo's thread then reads them while the
-#   rank computes a backward, on cores the two ranks already fill.
-# The interleaved schedules receive both directions from one peer when there are 2 ranks, in an
-# order only their runtime knows, so they post as torch does. NCCL queues a communicator's receives
-# and sends on one stream, where a receive posted ahead would hold up the rank's own sends: GPUs
-# post as torch does.
-POST_AHEAD: dict[str, tuple[str, ...]] = {"gpipe": ("forward", "backward"), "1f1b": ("backward",)}
 
 
 @dataclass(frozen=True)
@@ -149,6 +126,7 @@ class StageConfig:
     p2p_timeout_s: float = 300.0
     replica: int = 0
     num_replicas: int = 1
+    layout: str = "loop"  # which stages the rank holds (schedule.STAGE_LAYOUTS)
     data: StageData | None = None  # where the first and last rank read their batches (``feed``)
 
     @property
@@ -167,7 +145,11 @@ class StageConfig:
 
     def stage_index(self, local: int) -> int:
         """The pipeline index of this rank's ``local``-th stage."""
-        return local * self.num_ranks + self.rank
+        return stage_indices(self.rank, self.num_ranks, self.virtual_stages, self.layout)[local]
+
+    def holder(self, index: int) -> int:
+        """The pipeline rank that holds stage ``index``."""
+        return stage_rank(index, self.num_ranks, self.virtual_stages, self.layout)
 
 
 def check_optimizer(name: str, lr: float, momentum: float, weight_decay: float) -> None:
@@ -233,8 +215,8 @@ class _TimedStage(PipelineStage):
     def post_receives(self, num_microbatches: int, directions: Sequence[str]) -> int:
         """Post the coming step's receives of ``directions`` now, each micro-batch's into its own
         buffer: ``forward``, the activations from the previous rank; ``backward``, the gradients
-        from the next (see ``POST_AHEAD`` for why). Until the first step has built the buffers,
-        nothing is posted and torch posts as usual. Returns how many receives it posted."""
+        from the next (see ``Schedule.post_ahead`` for why). Until the first step has built the
+        buffers, nothing is posted and torch posts as usual. Returns how many receives it posted."""
         if 0 not in self.args_recv_info:
             return 0
         receives = {"forward": super().get_fwd_recv_ops, "backward": super().get_bwd_recv_ops}
@@ -321,8 +303,8 @@ class StageWorker:
             [p for module in self.modules for p in module.parameters()],
             config.optimizer, config.lr, config.momentum, config.weight_decay,
         )  # fmt: skip
-        self.holds_first = config.rank == 0
-        self.holds_last = config.rank == config.num_ranks - 1
+        self.holds_first = config.holder(0) == config.rank
+        self.holds_last = config.holder(config.num_stages - 1) == config.rank
         reads = config.data is not None and (self.holds_first or self.holds_last)
         self._feed = StageFeed(
             config.data, config.replica, config.num_replicas, self.device, self.dtype, self.holds_first, self.holds_last
@@ -347,7 +329,7 @@ class StageWorker:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
 
     def receives_posted_ahead(self) -> int:
-        """How many of this rank's receives so far were posted at the start of their step (``POST_AHEAD``)."""
+        """How many of this rank's receives so far were posted at the start of their step (``Schedule.post_ahead``)."""
         return self._receives_posted_ahead
 
     def split_backwards(self) -> int:
@@ -396,12 +378,6 @@ class StageWorker:
 
     # -- point to point ----------------------------------------------------------------------------
 
-    def _previous_rank(self, local: int) -> int:
-        return (self.config.stage_index(local) - 1) % self.config.num_ranks
-
-    def _next_rank(self, local: int) -> int:
-        return (self.config.stage_index(local) + 1) % self.config.num_ranks
-
     def _send(self, x: Tensor, rank: int) -> None:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
@@ -432,14 +408,14 @@ class StageWorker:
             for c in range(count):
                 for local, runner in enumerate(self._runners):
                     index = self.config.stage_index(local)
-                    x = self._first_input(chunks[c]) if index == 0 else self._recv(self._previous_rank(local))
+                    x = self._first_input(chunks[c]) if index == 0 else self._recv(self.config.holder(index - 1))
                     y = runner(x)
                     if c == 0:
                         shapes.append((x, y))
                     if index == last_stage:
                         outputs.append(y.to(self.dtype).cpu())
                     else:
-                        self._send(y, self._next_rank(local))
+                        self._send(y, self.config.holder(index + 1))
         finally:
             for module in self.modules:
                 module.train()
@@ -463,8 +439,8 @@ class StageWorker:
         # Under bf16 autocast the logits are bf16; the loss is taken in the model's dtype.
         return F.cross_entropy(output.to(self.dtype), targets, reduction="sum") * self._loss_scale
 
-    def _build_schedule(self, name: str, num_microbatches: int, probe: Tensor | None) -> Any:
-        """Torch's schedule over this rank's stages (a list for the interleaved ones), with static
+    def _build_schedule(self, schedule: Schedule, num_microbatches: int, probe: Tensor | None) -> Any:
+        """Torch's schedule over this rank's stages (a list for the multi-stage ones), with static
         shapes from one probe micro-batch."""
         _, shapes = self._forward_chain([probe] if self.holds_first else 1)
         if self.config.memory_format == "auto":
@@ -484,15 +460,17 @@ class StageWorker:
                 )  # fmt: skip
             )
         for stage in stages:
-            stage.split_last_backward = name in FLAT_SCHEDULES
+            stage.split_last_backward = schedule.split_last_backward
         self._stages = stages
-        self._post_ahead = POST_AHEAD.get(name, ()) if self.device.type == "cpu" else ()
-        ours = stages if name in INTERLEAVED_SCHEDULES else stages[0]
-        return TORCH_SCHEDULES[name](ours, num_microbatches, loss_fn=self._loss, scale_grads=False)
+        # NCCL queues a communicator's receives and sends on one stream, where a receive posted
+        # ahead would hold up the rank's own sends: GPUs post as torch does.
+        self._post_ahead = schedule.post_ahead if self.device.type == "cpu" else ()
+        ours = stages if schedule.multi_stage else stages[0]
+        return schedule.torch_class()(ours, num_microbatches, loss_fn=self._loss, scale_grads=False)
 
     def train_step(
         self,
-        schedule: str,
+        schedule: Schedule,
         num_microbatches: int,
         microbatch_shape: tuple[int, ...],
         inputs: Tensor | None,
@@ -500,13 +478,13 @@ class StageWorker:
         max_norm: float | None = None,
         lr: float | None = None,
     ) -> tuple[float | None, float, float, float]:
-        """One optimizer step: the schedule's forwards and backwards over the batch, clipping, the
-        update. Rank 0 gets ``inputs``, the last rank ``targets`` (None elsewhere): this replica's
-        share of the step's batch. Returns (on the last rank this replica's share of the global batch
-        mean loss, else None; the seconds this rank computed; of which in forwards; the seconds this
-        call took, computing and waiting for its peers). ``lr``, when given, is the step's learning
-        rate (a per-step schedule sets it in the step's own call rather than in one more call per
-        step)."""
+        """One optimizer step: the forwards and backwards of ``schedule`` (the registry's entry) over
+        the batch, clipping, the update. Rank 0 gets ``inputs``, the last rank ``targets`` (None
+        elsewhere): this replica's share of the step's batch. Returns (on the last rank this replica's
+        share of the global batch mean loss, else None; the seconds this rank computed; of which in
+        forwards; the seconds this call took, computing and waiting for its peers). ``lr``, when
+        given, is the step's learning rate (a per-step schedule sets it in the step's own call rather
+        than in one more call per step)."""
         called = time.perf_counter()
         if lr is not None:
             self.set_lr(lr)
@@ -554,7 +532,7 @@ class StageWorker:
 
     def train_steps(
         self,
-        schedule: str,
+        schedule: Schedule,
         num_microbatches: int,
         microbatch_shape: tuple[int, ...],
         inputs: Sequence[np.ndarray | Tensor] | None,

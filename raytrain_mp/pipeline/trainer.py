@@ -74,7 +74,7 @@ from raytrain_mp.pipeline.partition import (
     split_bounds,
 )
 from raytrain_mp.pipeline.replicas import check_replicas, global_rank, replica_and_stage, replica_nodes, replica_resources, replica_shares
-from raytrain_mp.pipeline.schedule import FILL_DRAIN_SCHEDULES, check_schedule
+from raytrain_mp.pipeline.schedule import SCHEDULES, check_schedule, schedule_entry, stage_indices
 from raytrain_mp.pipeline.stage import StageConfig, StageWorker, check_optimizer, profile_on_stage_device
 from raytrain_mp.pipeline.teardown import stop_actors
 
@@ -326,7 +326,7 @@ class PipelineTrainer:
             raise UsageError(f"virtual_stages: must be >= 1, got {virtual_stages}")
         parts = num_stages * virtual_stages
         check_stage_count(len(blocks), parts)
-        self.num_stages, self.virtual_stages = num_stages, virtual_stages
+        self.num_stages, self.virtual_stages, self.layout = num_stages, virtual_stages, schedule_entry(schedule).layout
         self.set_schedule(schedule, num_microbatches)
         _check_options(model, optimizer, lr, momentum, weight_decay, clip_grad_norm, cpus_per_stage, p2p_timeout_s, memory_format)
         check_replicas(num_replicas)
@@ -388,7 +388,7 @@ class PipelineTrainer:
                 rank=0, num_ranks=num_stages, virtual_stages=virtual_stages, optimizer=optimizer, lr=lr,
                 momentum=momentum, weight_decay=weight_decay, use_gpu=use_gpu, num_cpus=cpus_per_stage,
                 deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, memory_format=memory_format, p2p_timeout_s=p2p_timeout_s,
-                replica=0, num_replicas=num_replicas, data=data,
+                replica=0, num_replicas=num_replicas, data=data, layout=self.layout,
             )  # fmt: skip
             self.balance_trials: list[dict[str, Any]] = []  # per cut run on the actors, the profile's first
             self.profile: list[tuple[float, float]] | None = None  # per block, (forward, backward) seconds
@@ -418,7 +418,7 @@ class PipelineTrainer:
         one process group."""
         num_stages = self.num_stages
         pieces = [StageModule(model, blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
-        held = [pieces[rank::num_stages] for rank in range(num_stages)]  # rank r: parts r, r + S, ...
+        held = [[pieces[i] for i in stage_indices(rank, num_stages, self.virtual_stages, self.layout)] for rank in range(num_stages)]
         self._stage_keys = [[key for piece in modules for key in piece.state_dict()] for modules in held]
         actor_class = ray.remote(StageWorker)
         for replica in range(self.num_replicas):
@@ -452,7 +452,7 @@ class PipelineTrainer:
         and its slowest stage's backward (``balance_fill_drain_bounds``); the other schedules
         alternate the two phases. (``set_schedule`` refuses GPipe with virtual stages.)"""
         parts = self.num_stages * self.virtual_stages
-        if self.schedule in FILL_DRAIN_SCHEDULES:
+        if SCHEDULES[self.schedule].fill_drain:
             return balance_fill_drain_bounds(forward, backward, parts)
         return balance_bounds([f + b for f, b in zip(forward, backward)], parts)
 
@@ -466,7 +466,7 @@ class PipelineTrainer:
         median bubble. The blocks and so the work are the same on every cut, so the least waiting
         is the shortest step, and a share of a step's time does not drift with a shared machine's
         speed as seconds do."""
-        fill_drain = self.schedule in FILL_DRAIN_SCHEDULES
+        fill_drain = SCHEDULES[self.schedule].fill_drain
         names = [block.name for block in blocks]
         targets = torch.zeros(len(sample), dtype=torch.long)  # any class will do: only the time counts
         ranks = self.num_stages
@@ -534,7 +534,7 @@ class PipelineTrainer:
         their parameters and optimizer state stay (a benchmark sweeps m without restarting)."""
         schedule = self.schedule if schedule is None else schedule
         num_microbatches = self.num_microbatches if num_microbatches is None else num_microbatches
-        check_schedule(schedule, self.num_stages, self.virtual_stages, num_microbatches)
+        check_schedule(schedule, self.num_stages, self.virtual_stages, num_microbatches, self.layout)
         self.schedule, self.num_microbatches = schedule, num_microbatches
 
     @property
@@ -701,8 +701,8 @@ class PipelineTrainer:
         for replica in range(self.num_replicas):
             for rank in range(self.num_stages):
                 inputs, targets, positions = payload(replica, rank)
-                call = self.actor(rank, replica).train_steps.remote(
-                    self.schedule, self.num_microbatches, shape, inputs, targets, self.clip_grad_norm, lrs, positions
+                call = self.actor(rank, replica).train_steps.remote(  # the entry itself: a test's reaches the actors
+                    SCHEDULES[self.schedule], self.num_microbatches, shape, inputs, targets, self.clip_grad_norm, lrs, positions
                 )
                 refs.append((global_rank(replica, rank, self.num_stages), call))
         first = self.steps_done + self._queued + 1

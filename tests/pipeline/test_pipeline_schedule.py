@@ -1,15 +1,19 @@
 """Pipeline schedules, exhaustively: GPipe and 1F1B op orders over 1-8 stages x 1-16 micro-batches;
-the limits of every schedule against what torch's own schedule classes accept; ideal bubbles."""
+the limits of every schedule against what torch's own schedule classes accept; ideal bubbles; the
+registry's consistency; the stage layouts over 1-8 ranks x 1-4 stages per rank."""
 
 from __future__ import annotations
+
+import pickle
 
 import pytest
 
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline import schedule as sched
-from raytrain_mp.pipeline.schedule import build_schedule, clock_ticks, format_ticks, gpipe, one_f_one_b
+from raytrain_mp.pipeline.schedule import SCHEDULES, Schedule, build_schedule, clock_ticks, format_ticks, gpipe, one_f_one_b
 
-CASES = [(name, s, m) for name in sched.FLAT_SCHEDULES for s in range(1, 9) for m in range(1, 17)]
+SPELLED_OUT = [name for name, entry in SCHEDULES.items() if entry.ops is not None]  # gpipe, 1f1b
+CASES = [(name, s, m) for name in SPELLED_OUT for s in range(1, 9) for m in range(1, 17)]
 VALID = [case for case in CASES if case[0] == "gpipe" or case[2] >= case[1]]
 
 
@@ -88,7 +92,7 @@ def test_clock_ticks_detects_deadlock() -> None:
         clock_ticks([[("B", 0), ("F", 0)]])
 
 
-@pytest.mark.parametrize("name", sched.FLAT_SCHEDULES)
+@pytest.mark.parametrize("name", SPELLED_OUT)
 def test_docstring_diagrams_are_what_the_code_does(name: str) -> None:
     table = format_ticks(clock_ticks(build_schedule(name, 3, 4)), 3)
     assert "\n".join("    " + row for row in table.splitlines()) in sched.__doc__
@@ -96,9 +100,9 @@ def test_docstring_diagrams_are_what_the_code_does(name: str) -> None:
 
 LIMIT_CASES = [
     (name, ranks, virtual, m)
-    for name in ("1f1b", "interleaved-1f1b", "interleaved-zb")
+    for name, entry in SCHEDULES.items()
     for ranks in range(2, 5)
-    for virtual in ((1,) if name == "1f1b" else (2, 3))
+    for virtual in ((2, 3) if entry.multi_stage else (1,))
     for m in range(1, 13)
 ]
 
@@ -109,10 +113,8 @@ def test_check_schedule_refuses_exactly_what_torch_refuses(name: str, ranks: int
     before any actor starts, and nothing else."""
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    from raytrain_mp.pipeline.stage import TORCH_SCHEDULES
-
     try:
-        get_schedule_ops(TORCH_SCHEDULES[name], ranks, m, virtual)
+        get_schedule_ops(SCHEDULES[name].torch_class(), ranks, m, virtual)
         torch_accepts = True
     except ValueError:
         torch_accepts = False
@@ -166,3 +168,81 @@ def test_bubble_for_stage_times() -> None:
     # is 0.25 for the first micro-batch plus 7 x (0.075 + 0.075).
     assert sched.bubble_for_stage_times([1.0, 1.0], 8) == pytest.approx(sched.ideal_bubble("gpipe", 2, 8))
     assert sched.bubble_for_stage_times([1.0, 1.0], 8, [0.6, 0.4]) == pytest.approx(1 - 2 / (2 * (0.25 + 7 * 0.15)))
+
+
+def test_stage_times_bubble_reads_the_entry() -> None:
+    busy, forward = [1.0, 1.0], [0.6, 0.4]
+    assert sched.stage_times_bubble("gpipe", busy, 8, forward) == sched.bubble_for_stage_times(busy, 8, forward)
+    assert sched.stage_times_bubble("1f1b", busy, 8, forward) == sched.bubble_for_stage_times(busy, 8)
+    assert sched.stage_times_bubble("interleaved-1f1b", busy, 8, forward) is None
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_registry_is_consistent(name: str) -> None:
+    """What the stage actors and the trainer rely on, for every entry."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    entry = SCHEDULES[name]
+    assert entry.name == name and entry.title and entry.layout in sched.STAGE_LAYOUTS
+    assert issubclass(entry.torch_class(), PipelineScheduleMulti if entry.multi_stage else PipelineScheduleSingle)
+    assert set(entry.post_ahead) <= {"forward", "backward"}
+    if entry.multi_stage:  # these act on a rank's single stage (stage._TimedStage) or model one stage a rank
+        assert not (entry.post_ahead or entry.split_last_backward or entry.fill_drain or entry.ops)
+    for ranks in range(1, 9):
+        for m in range(1, 17):
+            for virtual in (1, 2, 4):
+                if entry.bubble is not None:
+                    assert 0 <= entry.bubble(ranks, m, virtual) < 1
+                    assert (entry.bubble(ranks, m, virtual) == 0) == (ranks == 1)
+    pickled = pickle.loads(pickle.dumps(entry))  # it travels to the actors as it is
+    assert pickled == entry and hash(pickled) == hash(entry)
+
+
+def test_the_registry_is_the_one_place_a_schedule_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry added at run time is a schedule like the others: checked, listed, refused with them."""
+    entry = Schedule("looped-bfs", "looped BFS", "ScheduleLoopedBFS", multi_stage=True)
+    monkeypatch.setitem(SCHEDULES, entry.name, entry)
+    sched.check_schedule("looped-bfs", 2, 2, 5)
+    with pytest.raises(UsageError, match="use interleaved-1f1b or interleaved-zb or looped-bfs for several"):
+        sched.check_schedule("gpipe", 2, 2, 4)
+    with pytest.raises(UsageError, match="no closed-form bubble for 'looped-bfs'"):
+        sched.ideal_bubble("looped-bfs", 2, 4, 2)
+    with pytest.raises(UsageError, match="schedule: unknown schedule 'looped-bfs'; accepted: gpipe, 1f1b$"):
+        build_schedule("looped-bfs", 2, 4)
+    # Running stages keep their layout: a schedule that lays them out otherwise is refused.
+    monkeypatch.setitem(SCHEDULES, "v-test", Schedule("v-test", "V", "ScheduleZBVZeroBubble", multi_stage=True, layout="v"))
+    with pytest.raises(UsageError, match="v-test lays its stages out as 'v', the running stages lie as 'loop'"):
+        sched.check_schedule("v-test", 2, 2, 4, layout="loop")
+    sched.check_schedule("looped-bfs", 2, 2, 4, layout="loop")
+
+
+LAYOUT_CASES = [(layout, ranks, virtual) for layout in sched.STAGE_LAYOUTS for ranks in range(1, 9) for virtual in range(1, 5)]
+
+
+@pytest.mark.parametrize(("layout", "ranks", "virtual"), LAYOUT_CASES)
+def test_stage_layouts(layout: str, ranks: int, virtual: int) -> None:
+    held = [sched.stage_indices(rank, ranks, virtual, layout) for rank in range(ranks)]
+    assert sorted(index for indices in held for index in indices) == list(range(ranks * virtual))  # each once
+    for rank, indices in enumerate(held):
+        assert len(indices) == virtual and indices == sorted(indices)  # in pipeline order
+        assert all(sched.stage_rank(index, ranks, virtual, layout) == rank for index in indices)
+    assert sched.stage_rank(0, ranks, virtual, layout) == 0  # the trainer hands the inputs to rank 0
+    assert sched.stage_rank(ranks * virtual - 1, ranks, virtual, layout) == ranks - 1  # and the targets here
+    if layout == "loop":  # rank r: r, r + ranks, ... (torch's interleaved schedules need this)
+        assert held == [list(range(rank, ranks * virtual, ranks)) for rank in range(ranks)]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((2, 2, 1, "loop"), "no rank 2 of 2 with 1 stages each"),
+        ((0, 2, 0, "loop"), "no rank 0 of 2 with 0 stages each"),
+        ((0, 2, 2, "zigzag"), "unknown stage layout 'zigzag'; known: loop"),
+    ],
+)
+def test_stage_indices_refuses(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        sched.stage_indices(*args)
+    assert str(info.value) == message
+    with pytest.raises(ValueError, match="no stage 4 among 2 x 2"):
+        sched.stage_rank(4, 2, 2, "loop")

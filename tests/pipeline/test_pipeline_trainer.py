@@ -1,5 +1,6 @@
 """PipelineTrainer on real Ray stage actors over gloo (CPU): equivalence with single-process
-gradient accumulation for every schedule, deferred BatchNorm, state dicts, failures (a raising,
+gradient accumulation for every schedule (and for one registered by a test alone: adding a schedule
+is one registry entry), deferred BatchNorm, state dicts, failures (a raising,
 a killed and a hanging rank), and bad input.
 
 ResNet-18 (standard stem) at 64x64, a batch of 20 so that m = 4 and m = 5 both cut it into equal
@@ -35,11 +36,13 @@ from raytrain_mp.pipeline import trainer as trainer_module
 from raytrain_mp.pipeline.blocks import flatten_model
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm
 from raytrain_mp.pipeline.partition import balance_bounds, cut_score, rescale_to_measured, split_bounds
+from raytrain_mp.pipeline.schedule import SCHEDULES, Schedule
 from raytrain_mp.pipeline.stage import StageWorker
 from raytrain_mp.pipeline.trainer import check_resources
 
 BATCH, SIZE = 20, 64
-SCHEDULES_OF = {1: ("gpipe", "1f1b"), 2: ("interleaved-1f1b", "interleaved-zb")}  # by virtual stages
+# by virtual stages: gpipe and 1f1b; interleaved-1f1b and interleaved-zb
+SCHEDULES_OF = {v: tuple(name for name, entry in SCHEDULES.items() if entry.multi_stage == (v > 1)) for v in (1, 2)}
 CASES = [(schedule, m) for schedule in (*SCHEDULES_OF[1], *SCHEDULES_OF[2]) for m in (4, 5)]
 LRS = [0.05, 0.03, 0.02]  # set per step, as a learning-rate schedule would
 OVER_HALF = session_cpus() // 2 + 1  # CPUs per stage that 2 stages cannot get on the session's Ray
@@ -131,6 +134,56 @@ class Pipeline:
     initial_optimizer_states: list
 
 
+@pytest.fixture
+def looped_bfs(monkeypatch: pytest.MonkeyPatch) -> Schedule:
+    """A schedule the package does not register: torch's looped BFS (backwards in reverse order)."""
+    entry = Schedule("looped-bfs", "looped BFS", "ScheduleLoopedBFS", multi_stage=True)
+    monkeypatch.setitem(SCHEDULES, entry.name, entry)
+    return entry
+
+
+def _check_against_accumulation(pipeline: Pipeline, schedule: str, m: int) -> None:
+    """``schedule`` over m micro-batches from the initial state against ``_reference``, and the
+    receives posted ahead and backwards split that its entry asks for."""
+    trainer = pipeline.trainer
+    entry = SCHEDULES[schedule]
+    float64 = pipeline.dtype == torch.float64
+    steps = 3 if float64 else 1  # float32 BatchNorm ResNets are chaotic beyond the first step
+    trainer.load_state_dict(pipeline.initial_state)
+    trainer.load_optimizer_state_dicts(pipeline.initial_optimizer_states)
+    trainer.set_schedule(schedule, m)
+    posted_before, split_before = _receives_posted_ahead(trainer), _split_backwards(trainer)
+    batches = list(zip(_batches(pipeline.dtype, steps), LRS))
+    if m == 5:  # the run loop's way: steps and their lrs 2 to a call (then 1), the second call queued
+        losses = list(trainer.train_steps(((x, y, lr) for (x, y), lr in batches), ahead=1, steps_per_call=2))
+    else:  # a step at a time, the lr set by its own call
+        losses = []
+        for (x, y), lr in batches:
+            trainer.set_lr(lr)
+            losses.append(trainer.train_step(x, y))
+    want_losses, want_state = _reference(pipeline.dtype, m, steps, pipeline.memory_format == "channels_last")
+    rtol = 1e-10 if float64 else 1e-5
+    assert losses == pytest.approx(want_losses, rel=rtol)
+    _assert_state_close(trainer.state_dict(), want_state, rtol)
+    # The steps after a schedule's first post their receives ahead (GPipe: activations and
+    # gradients; 1F1B: gradients), so the equality above covers them too.
+    ranks = range(trainer.num_stages)
+    ahead = [(direction in entry.post_ahead) for direction in ("forward", "backward")]
+    per_step = [m * ((ahead[0] and rank > 0) + (ahead[1] and rank < trainer.num_stages - 1)) for rank in ranks]
+    posted = [after - before for before, after in zip(posted_before, _receives_posted_ahead(trainer))]
+    assert posted == [(steps - 1) * count for count in per_step]
+    # GPipe and 1F1B split the last backward of every rank but the first, every step.
+    split = [after - before for before, after in zip(split_before, _split_backwards(trainer))]
+    assert split == [steps * (entry.split_last_backward and rank > 0) for rank in ranks]
+    # Each stage computed in a layout; the configured one, or under auto the one measured faster.
+    layouts = trainer.memory_formats
+    assert [len(rank) for rank in layouts] == [trainer.virtual_stages] * trainer.num_stages
+    if pipeline.memory_format == "auto":
+        assert {layout for rank in layouts for layout in rank} <= {"channels_last", "contiguous"}
+    else:
+        assert layouts == [[pipeline.memory_format] * trainer.virtual_stages] * trainer.num_stages
+
+
 class TestAgainstGradientAccumulation:
     """One trainer per (dtype, ranks, virtual stages), class-scoped so that its CPUs are free afterwards."""
 
@@ -165,50 +218,23 @@ class TestAgainstGradientAccumulation:
 
     @pytest.mark.parametrize(("schedule", "m"), CASES)
     def test_step_equals_gradient_accumulation(self, pipeline: Pipeline, schedule: str, m: int) -> None:
-        trainer = pipeline.trainer
-        if schedule not in SCHEDULES_OF[trainer.virtual_stages]:
+        if schedule not in SCHEDULES_OF[pipeline.trainer.virtual_stages]:
             pytest.skip(f"{schedule} runs on the trainers with another number of virtual stages")
-        if (schedule, m, trainer.num_stages) in {("interleaved-1f1b", 5, 2), ("interleaved-zb", 5, 2)}:
+        if (schedule, m, pipeline.trainer.num_stages) in {("interleaved-1f1b", 5, 2), ("interleaved-zb", 5, 2)}:
             with pytest.raises(UsageError, match="so m must be a multiple of 2, got 5"):
-                trainer.set_schedule(schedule, m)  # torch's interleaved schedules cannot run this
+                pipeline.trainer.set_schedule(schedule, m)  # torch's interleaved schedules cannot run this
             return
-        float64 = pipeline.dtype == torch.float64
-        steps = 3 if float64 else 1  # float32 BatchNorm ResNets are chaotic beyond the first step
-        trainer.load_state_dict(pipeline.initial_state)
-        trainer.load_optimizer_state_dicts(pipeline.initial_optimizer_states)
-        trainer.set_schedule(schedule, m)
-        posted_before, split_before = _receives_posted_ahead(trainer), _split_backwards(trainer)
-        batches = list(zip(_batches(pipeline.dtype, steps), LRS))
-        if m == 5:  # the run loop's way: steps and their lrs 2 to a call (then 1), the second call queued
-            losses = list(trainer.train_steps(((x, y, lr) for (x, y), lr in batches), ahead=1, steps_per_call=2))
-        else:  # a step at a time, the lr set by its own call
-            losses = []
-            for (x, y), lr in batches:
-                trainer.set_lr(lr)
-                losses.append(trainer.train_step(x, y))
-        want_losses, want_state = _reference(pipeline.dtype, m, steps, pipeline.memory_format == "channels_last")
-        rtol = 1e-10 if float64 else 1e-5
-        assert losses == pytest.approx(want_losses, rel=rtol)
-        _assert_state_close(trainer.state_dict(), want_state, rtol)
-        # The steps after a schedule's first post their receives ahead (GPipe: activations and
-        # gradients; 1F1B: gradients), so the equality above covers them too.
-        ranks = range(trainer.num_stages)
-        per_step = {
-            "gpipe": [m * ((rank > 0) + (rank < trainer.num_stages - 1)) for rank in ranks],
-            "1f1b": [m * (rank < trainer.num_stages - 1) for rank in ranks],
-        }.get(schedule, [0 for _ in ranks])
-        posted = [after - before for before, after in zip(posted_before, _receives_posted_ahead(trainer))]
-        assert posted == [(steps - 1) * count for count in per_step]
-        # GPipe and 1F1B split the last backward of every rank but the first, every step.
-        split = [after - before for before, after in zip(split_before, _split_backwards(trainer))]
-        assert split == [steps * (schedule in SCHEDULES_OF[1] and rank > 0) for rank in ranks]
-        # Each stage computed in a layout; the configured one, or under auto the one measured faster.
-        layouts = trainer.memory_formats
-        assert [len(rank) for rank in layouts] == [trainer.virtual_stages] * trainer.num_stages
-        if pipeline.memory_format == "auto":
-            assert {layout for rank in layouts for layout in rank} <= {"channels_last", "contiguous"}
-        else:
-            assert layouts == [[pipeline.memory_format] * trainer.virtual_stages] * trainer.num_stages
+        _check_against_accumulation(pipeline, schedule, m)
+
+    def test_a_schedule_registered_by_one_entry_trains_the_same(self, pipeline: Pipeline, looped_bfs: Schedule) -> None:
+        """Registered in this process only: the entry itself reaches the actors in the trainer's calls."""
+        if pipeline.trainer.virtual_stages == 1:
+            pytest.skip(f"{looped_bfs.name} runs several stages per rank")
+        schedule, m = pipeline.trainer.schedule, pipeline.trainer.num_microbatches
+        try:
+            _check_against_accumulation(pipeline, looped_bfs.name, 4)
+        finally:  # the entry goes with this test: the trainer's next tests run a registered schedule
+            pipeline.trainer.set_schedule(schedule, m)
 
     def test_state_dict_loads_into_torchvision_and_predictions_match(self, pipeline: Pipeline) -> None:
         x, _ = _batches(pipeline.dtype, 1)[0]

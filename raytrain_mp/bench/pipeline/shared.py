@@ -28,7 +28,7 @@ from raytrain_mp.bench.common import summarize
 from raytrain_mp.models import build_model
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import StageModule, flatten_model
-from raytrain_mp.pipeline.schedule import INTERLEAVED_SCHEDULES
+from raytrain_mp.pipeline.schedule import SCHEDULES
 
 LR = 0.01  # small enough that random labels never blow the weights up (NaNs would change the timing)
 MOMENTUM = 0.9
@@ -76,8 +76,8 @@ def seeded_mlp(layers: int, batch_size: int, seed: int) -> tuple[nn.Module, Tens
 
 
 def virtual_stages(schedule: str) -> int:
-    """Model chunks per stage actor: ``INTERLEAVED_VIRTUAL`` for the interleaved schedules, else 1."""
-    return INTERLEAVED_VIRTUAL if schedule in INTERLEAVED_SCHEDULES else 1
+    """Model chunks per stage actor: ``INTERLEAVED_VIRTUAL`` for the multi-stage schedules, else 1."""
+    return INTERLEAVED_VIRTUAL if SCHEDULES[schedule].multi_stage else 1
 
 
 def even_cut(model: nn.Module, chunks: int) -> tuple[list[str], list[list[str]]]:

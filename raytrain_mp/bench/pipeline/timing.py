@@ -32,14 +32,7 @@ from raytrain_mp.bench.common import summarize, timed
 from raytrain_mp.bench.pipeline.shared import Sweep, progress
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline import PipelineTrainer
-from raytrain_mp.pipeline.schedule import (
-    FILL_DRAIN_SCHEDULES,
-    FLAT_SCHEDULES,
-    bubble_for_stage_times,
-    ideal_bubble,
-)
-
-FORMULA_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # the schedules with a closed-form ideal bubble
+from raytrain_mp.pipeline.schedule import SCHEDULES, ideal_bubble, stage_times_bubble
 
 
 def queued_steps(trainer: PipelineTrainer, x: Tensor, y: Tensor, sweep: Sweep) -> tuple[list[float], list[float]]:
@@ -95,13 +88,13 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
         "memory_formats": trainer.memory_formats,  # per actor, the layout of each of its stages
     }
     # With replicas, busy has one entry per actor; the formulas are about one pipeline (replica 0's).
-    if schedule in FORMULA_SCHEDULES:
+    if SCHEDULES[schedule].bubble is not None:  # a closed-form ideal bubble
         run["bubble_formula"] = ideal_bubble(schedule, trainer.num_stages, m, trainer.virtual_stages)
-    if schedule in FLAT_SCHEDULES:
-        stage_busy = [b["median"] for b in busy[: trainer.num_stages]]
-        # GPipe's phases count apart (each pays its own slowest stage); 1F1B alternates them.
-        forward = [f["median"] for f in forward_busy[: trainer.num_stages]] if schedule in FILL_DRAIN_SCHEDULES else None
-        run["bubble_for_stage_times"] = bubble_for_stage_times(stage_busy, m, forward)
+    # GPipe's phases count apart (each pays its own slowest stage); 1F1B alternates them.
+    stage_busy, stage_forward = ([s["median"] for s in figure[: trainer.num_stages]] for figure in (busy, forward_busy))
+    predicted = stage_times_bubble(schedule, stage_busy, m, stage_forward)
+    if predicted is not None:
+        run["bubble_for_stage_times"] = predicted
     return run
 
 

@@ -1,0 +1,60 @@
+"""What both training loops (``ddp.loop``, ``pipeline.run``) decide around their epochs, once.
+
+The run's model in the run's dtype (from ``--precision``), when a checkpoint is due, and the line
+each epoch ends with. Functions of a training command's config, the data set and the position in
+the run (no Ray, no files):
+
+- Positions count from 0 for epochs and in steps done: "after ``steps_done`` steps of epoch
+  ``epoch``" is global step ``epoch * steps_per_epoch + steps_done``; an epoch's end is
+  ``steps_done == steps_per_epoch``.
+- A checkpoint follows every global step ``--checkpoint-every-steps`` divides (within an epoch
+  too), and the end of every ``--checkpoint-every``-th epoch and of the last one; so both loops
+  write the same checkpoints, named by ``checkpointing.checkpoint_name``.
+- The epoch line starts with the same fields in both loops; a loop adds its own (the pipeline's
+  bubble) before the learning rate, which ends it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from raytrain_mp.models import build_model
+
+
+def run_dtype(precision: str) -> torch.dtype:
+    """The dtype the model's parameters and inputs have: float64 for ``fp64`` (verification), else
+    float32 (``bf16`` and ``fp16`` autocast around float32 parameters)."""
+    return torch.float64 if precision == "fp64" else torch.float32
+
+
+def build_run_model(cfg: Any, meta: Any) -> nn.Module:
+    """The run's model for the data set ``meta`` describes, in the run's dtype (``models`` adapts
+    it to the data: channels, small stem, image size); the caller seeds it."""
+    model = build_model(cfg.model, meta.num_classes, meta.channels, cfg.small_stem, cfg.weights, image_size=meta.image_size)
+    return model.to(run_dtype(cfg.precision))
+
+
+def due_by_steps(global_step: int, every_steps: int | None) -> bool:
+    """Whether ``--checkpoint-every-steps`` (None or 0: off) asks for a checkpoint after ``global_step`` steps."""
+    return bool(every_steps) and global_step % every_steps == 0
+
+
+def checkpoint_due(cfg: Any, epoch: int, steps_done: int, steps_per_epoch: int) -> bool:
+    """Whether a checkpoint follows ``steps_done`` steps of epoch ``epoch``: within the epoch by
+    ``due_by_steps``, at its end also every ``checkpoint_every`` epochs and after the last.
+    ``cfg``: a training command's config (``epochs``, ``checkpoint_every``, ``checkpoint_every_steps``)."""
+    by_steps = due_by_steps(epoch * steps_per_epoch + steps_done, cfg.checkpoint_every_steps)
+    if steps_done < steps_per_epoch:
+        return by_steps
+    return by_steps or (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs
+
+
+def epoch_line(metrics: dict, epochs: int, extra: str = "") -> str:
+    """``epoch E/N train_loss .. val_loss .. val_accuracy .. samples/s ..{extra} lr ..`` of an epoch's metrics."""
+    return (
+        f"epoch {metrics['epoch']}/{epochs} train_loss {metrics['train_loss']:.4f} val_loss {metrics['val_loss']:.4f} "
+        f"val_accuracy {metrics['val_accuracy']:.4f} samples/s {metrics['samples_per_second']:.1f}{extra} lr {metrics['lr']:.5f}"
+    )
