@@ -39,7 +39,15 @@ import torch
 from torch import nn
 
 from raytrain_mp.interruption import Interrupted
-from raytrain_mp.storage import COMPLETE_MARKER, Location, delete_folder, download_folder, is_complete, name_of, publish_folder
+from raytrain_mp.storage import (
+    COMPLETE_MARKER,
+    Location,
+    delete_folder,
+    download_folder,
+    is_complete,
+    name_of,
+    publish_folder,
+)
 
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
@@ -137,7 +145,9 @@ def local_parent(run: Location) -> str | None:
     return run.path
 
 
-def publish_checkpoint(run: Location, name: str, checkpoint: tuple[dict, dict, str], log: Any, num_to_keep: int) -> Location:
+def publish_checkpoint(
+    run: Location, name: str, checkpoint: tuple[dict, dict, str], log: Any, num_to_keep: int
+) -> Location:
     """The pipeline driver's way to publish: its run ``log`` first (see ``report_checkpoint``), then
     ``checkpoint`` (``write_checkpoint``'s arguments) written locally and published into ``run`` as
     ``name`` (``storage.publish_folder``: never half there); drops the oldest beyond ``num_to_keep``."""

@@ -20,10 +20,10 @@ from raytrain_mp.bench.config import BenchDataConfig, BenchDDPConfig, BenchPipel
 from raytrain_mp.config import add_arguments, build_config
 from raytrain_mp.data.config import PrepareConfig
 from raytrain_mp.ddp.config import DDPConfig
-from raytrain_mp.pipeline.config import PipelineConfig
 from raytrain_mp.errors import EXIT_FAILED, EXIT_USAGE, RunFailedError, UsageError
 from raytrain_mp.inference.config import EvalConfig, ExportConfig, PredictConfig
 from raytrain_mp.interruption import Interrupted, signals_interrupt
+from raytrain_mp.pipeline.config import PipelineConfig
 from raytrain_mp.tune.config import TuneConfig
 
 PROG = "raytrain-mp"
@@ -73,10 +73,18 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     cfg = build_config(PrepareConfig, args)
     meta = prepare(
-        cfg.source, cfg.out, rows_per_shard=cfg.rows_per_shard, overwrite=cfg.overwrite,
-        val_fraction=cfg.val_fraction, seed=cfg.seed, num_samples=cfg.num_samples,
-        image_size=cfg.image_size, num_classes=cfg.num_classes, channels=cfg.channels, encoded=cfg.encoded,
-    )  # fmt: skip
+        cfg.source,
+        cfg.out,
+        rows_per_shard=cfg.rows_per_shard,
+        overwrite=cfg.overwrite,
+        val_fraction=cfg.val_fraction,
+        seed=cfg.seed,
+        num_samples=cfg.num_samples,
+        image_size=cfg.image_size,
+        num_classes=cfg.num_classes,
+        channels=cfg.channels,
+        encoded=cfg.encoded,
+    )
     result = {
         "out": cfg.out,
         "source": meta.source,
@@ -111,7 +119,11 @@ def finished_already(cfg, command: str, as_json: bool) -> bool:
         return False
     result = finished_result(locate(cfg.storage_path, "--storage-path").child(cfg.name), cfg.epochs)
     if result is not None:
-        emit(result, as_json, f"{command} run {cfg.name} already finished {result['epochs']} epochs (raise --epochs to continue it)")
+        emit(
+            result,
+            as_json,
+            f"{command} run {cfg.name} already finished {result['epochs']} epochs (raise --epochs to continue it)",
+        )
     return result is not None
 
 
@@ -138,7 +150,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from raytrain_mp.tune.sweep import prepared, run_sweep
 
     result = run_on_ray(prepared(tune_config_from_args(args)), run_sweep, args.json, "learning-rate sweep finished")
-    return 0 if result["best"] else 1  # every trial failed, or the sweep was interrupted (its "resume" says how to go on)
+    return (
+        0 if result["best"] else 1
+    )  # every trial failed, or the sweep was interrupted (its "resume" says how to go on)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -167,7 +181,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     except ExportMismatch as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
-    emit(result, args.json, f"{cfg.format} export written to {result['out']} (largest difference from the PyTorch model: {result['max_abs_difference']:.3g})")
+    emit(
+        result,
+        args.json,
+        f"{cfg.format} export written to {result['out']} (largest difference from the PyTorch model: "
+        f"{result['max_abs_difference']:.3g})",
+    )
     return 0
 
 
@@ -201,7 +220,9 @@ def docs(page: str) -> str:
     return f"docs: {page}"
 
 
-def add_command(sub, name: str, help_text: str, config_cls: type, handler, page: str, positional: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+def add_command(
+    sub, name: str, help_text: str, config_cls: type, handler, page: str, positional: tuple[str, ...] = ()
+) -> argparse.ArgumentParser:
     """A subcommand whose flags are ``config_cls``'s fields (but ``positional``), whose work is
     ``handler`` and whose ``--help`` ends with the docs ``page`` that covers it."""
     parser = sub.add_parser(name, help=help_text, epilog=docs(page))
@@ -221,26 +242,90 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="prepare data sets as Parquet shards", epilog=docs("docs/data.md"))
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=OneLineParser)
-    prep = add_command(data_sub, "prepare", "write SOURCE as Parquet shards + metadata into --out", PrepareConfig, cmd_prepare, "docs/data.md", ("source",))
+    prep = add_command(
+        data_sub,
+        "prepare",
+        "write SOURCE as Parquet shards + metadata into --out",
+        PrepareConfig,
+        cmd_prepare,
+        "docs/data.md",
+        ("source",),
+    )
     prep.add_argument("source", metavar="SOURCE", help="digits | synthetic | cifar10:PATH | imagefolder:PATH")
     add_command(sub, "ddp", "DistributedDataParallel training on Ray Train", DDPConfig, cmd_ddp, "docs/ddp.md")
-    add_command(sub, "pipeline", "pipelined model-parallel training on Ray stage actors", PipelineConfig, cmd_pipeline, "docs/pipeline.md")
-    add_command(sub, "tune", "learning-rate sweep on Ray Tune, one DDP run per trial", TuneConfig, cmd_tune, "docs/tune.md")
-    add_command(sub, "eval", "exact evaluation of a checkpoint on Ray Train workers: accuracy, loss, per class, confusion matrix", EvalConfig, cmd_eval, "docs/inference.md")
-    predict = add_command(sub, "predict", "top-k classes of image files, preprocessed as the run's validation split", PredictConfig, cmd_predict, "docs/inference.md", ("files",))
-    predict.add_argument("files", metavar="FILE_OR_FOLDER", nargs="+", help="image files (JPEG, PNG, any mode PIL reads) or folders of them")
-    add_command(sub, "export", "a checkpoint's model as ONNX, torch.export (.pt2) or TorchScript, checked before it is written", ExportConfig, cmd_export, "docs/inference.md")
-
-    bench = sub.add_parser("bench", help="side-by-side benchmarks: results.json and PNG plots", epilog=docs("docs/performance.md"))
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=OneLineParser)
-    add_command(bench_sub, "pipeline", "one process vs model parallel vs pipelined schedules", BenchPipelineConfig, cmd_bench_pipeline, "docs/performance.md")
-    add_command(bench_sub, "ddp", "Ray Train DDP vs a bare torchrun loop, samples/s", BenchDDPConfig, cmd_bench_ddp, "docs/performance.md")
     add_command(
-        bench_sub, "data", "loader samples/s: raw and encoded images vs torchvision ImageFolder + PIL; with --cases "
-        "pipeline_input_jpeg_224, the pipeline run loop fed by the driver vs by its stage loaders", BenchDataConfig, cmd_bench_data, "docs/performance.md",
-    )  # fmt: skip
-    return parser
+        sub,
+        "pipeline",
+        "pipelined model-parallel training on Ray stage actors",
+        PipelineConfig,
+        cmd_pipeline,
+        "docs/pipeline.md",
+    )
+    add_command(
+        sub, "tune", "learning-rate sweep on Ray Tune, one DDP run per trial", TuneConfig, cmd_tune, "docs/tune.md"
+    )
+    add_command(
+        sub,
+        "eval",
+        "exact evaluation of a checkpoint on Ray Train workers: accuracy, loss, per class, confusion matrix",
+        EvalConfig,
+        cmd_eval,
+        "docs/inference.md",
+    )
+    predict = add_command(
+        sub,
+        "predict",
+        "top-k classes of image files, preprocessed as the run's validation split",
+        PredictConfig,
+        cmd_predict,
+        "docs/inference.md",
+        ("files",),
+    )
+    predict.add_argument(
+        "files",
+        metavar="FILE_OR_FOLDER",
+        nargs="+",
+        help="image files (JPEG, PNG, any mode PIL reads) or folders of them",
+    )
+    add_command(
+        sub,
+        "export",
+        "a checkpoint's model as ONNX, torch.export (.pt2) or TorchScript, checked before it is written",
+        ExportConfig,
+        cmd_export,
+        "docs/inference.md",
+    )
 
+    bench = sub.add_parser(
+        "bench", help="side-by-side benchmarks: results.json and PNG plots", epilog=docs("docs/performance.md")
+    )
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=OneLineParser)
+    add_command(
+        bench_sub,
+        "pipeline",
+        "one process vs model parallel vs pipelined schedules",
+        BenchPipelineConfig,
+        cmd_bench_pipeline,
+        "docs/performance.md",
+    )
+    add_command(
+        bench_sub,
+        "ddp",
+        "Ray Train DDP vs a bare torchrun loop, samples/s",
+        BenchDDPConfig,
+        cmd_bench_ddp,
+        "docs/performance.md",
+    )
+    add_command(
+        bench_sub,
+        "data",
+        "loader samples/s: raw and encoded images vs torchvision ImageFolder + PIL; with --cases "
+        "pipeline_input_jpeg_224, the pipeline run loop fed by the driver vs by its stage loaders",
+        BenchDataConfig,
+        cmd_bench_data,
+        "docs/performance.md",
+    )
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

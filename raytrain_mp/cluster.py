@@ -72,7 +72,9 @@ def ray_connection(address: str | None, verbose: bool = False, quiet: bool = Fal
         silence_harmless_notices()
     # The driver's Ray logger, and the root and Ray loggers of every task and actor of this job.
     level = "INFO" if verbose else "WARNING"
-    logs = dict(log_to_driver=True, logging_level=level, logging_config=ray.LoggingConfig(encoding="TEXT", log_level=level))
+    logs = dict(
+        log_to_driver=True, logging_level=level, logging_config=ray.LoggingConfig(encoding="TEXT", log_level=level)
+    )
     if address:
         joined = reachable(address)
         use_token_if_the_cluster_asks(joined)
@@ -116,7 +118,10 @@ def reachable(address: str, option: str = "--address") -> str:
         return address
     from ray._private.services import canonicalize_bootstrap_address
 
-    accepted = "accepted: HOST:PORT of a running cluster's head (as `ray start --head` printed), auto, or no --address for a new local Ray"
+    accepted = (
+        "accepted: HOST:PORT of a running cluster's head (as `ray start --head` printed), auto, "
+        "or no --address for a new local Ray"
+    )
     try:
         resolved = canonicalize_bootstrap_address(address) or ""
     except (ConnectionError, ValueError) as exc:  # auto with no running cluster; not HOST:PORT
@@ -233,7 +238,9 @@ def autoscale_wait_s(environ: Mapping[str, str] = os.environ) -> float:
     except ValueError:
         seconds = -1.0
     if not 0 <= seconds < float("inf"):
-        raise UsageError(f"{AUTOSCALE_WAIT_ENV}: {text!r} is not a number of seconds; accepted: a number >= 0 (0: no wait)")
+        raise UsageError(
+            f"{AUTOSCALE_WAIT_ENV}: {text!r} is not a number of seconds; accepted: a number >= 0 (0: no wait)"
+        )
     return seconds
 
 
@@ -248,7 +255,11 @@ def summed(bundles: Sequence[Mapping[str, float]]) -> dict[str, float]:
 
 def missing(need: Mapping[str, float], have: Mapping[str, float]) -> dict[str, float]:
     """What ``have`` lacks of ``need``, per resource (only those it lacks)."""
-    return {resource: amount - have.get(resource, 0.0) for resource, amount in need.items() if amount > have.get(resource, 0.0)}
+    return {
+        resource: amount - have.get(resource, 0.0)
+        for resource, amount in need.items()
+        if amount > have.get(resource, 0.0)
+    }
 
 
 def waiting_line(what: str, need: Mapping[str, float], have: Mapping[str, float], wait_s: float) -> str:
@@ -260,7 +271,10 @@ def waiting_line(what: str, need: Mapping[str, float], have: Mapping[str, float]
         has = f"{have.get(next(iter(short)), 0.0):g}"
     else:
         has = " and ".join(f"{have.get(resource, 0.0):g} {resource}s" for resource in short)
-    return f"waiting up to {wait_s:g} s for the Ray autoscaler to add {add} for {what} (the cluster has {has}; {AUTOSCALE_WAIT_ENV} sets the wait)"
+    return (
+        f"waiting up to {wait_s:g} s for the Ray autoscaler to add {add} for {what} "
+        f"(the cluster has {has}; {AUTOSCALE_WAIT_ENV} sets the wait)"
+    )
 
 
 def wait_for_autoscaler(what: str, bundles: Sequence[Mapping[str, float]]) -> bool:
@@ -354,13 +368,24 @@ def automatic_choice(
     gpu_word = "GPU" if gpus == 1 else "GPUs"
     if gpus == 0:
         if joined:
-            return False, "note: the Ray cluster has no GPU up; training on CPUs (--use-gpu waits for an autoscaler to add GPU nodes)"
+            return (
+                False,
+                "note: the Ray cluster has no GPU up; training on CPUs (--use-gpu waits for an autoscaler to add GPU "
+                "nodes)",
+            )
         return False, None
     if gpus < needed:
-        return False, f"note: {needed} {ranks} need {needed} GPUs (one each) and the Ray cluster has {gpus:g}; training on CPUs"
+        return (
+            False,
+            f"note: {needed} {ranks} need {needed} GPUs (one each) and the Ray cluster has {gpus:g}; training on CPUs",
+        )
     usable, why = check_gpu()
     if usable is False:
-        return False, f"note: the Ray cluster advertises {gpus:g} {gpu_word} but torch cannot use {'it' if gpus == 1 else 'them'} ({why}); training on CPUs"
+        return (
+            False,
+            f"note: the Ray cluster advertises {gpus:g} {gpu_word} but torch cannot use "
+            f"{'it' if gpus == 1 else 'them'} ({why}); training on CPUs",
+        )
     if usable is None:
         return True, f"note: could not check the Ray cluster's {gpu_word} ({why}); training on GPUs"
     return True, None

@@ -48,18 +48,21 @@ FIELD_GROUPS = {
     **dict.fromkeys(("data", "source", "val_fraction", "rows_per_shard", "num_samples", "image_size",
                      "num_classes", "channels", "overwrite", "augment", "encoded", "loader_workers",
                      "loader_prefetch", "loader_batch_size", "num_images"), "data"),
-    **dict.fromkeys(("model", "small_stem", "weights", "precision", "sync_bn", "deferred_bn", "memory_format"), "model"),
+    **dict.fromkeys(("model", "small_stem", "weights", "precision", "sync_bn", "deferred_bn",
+                     "memory_format"), "model"),
     **dict.fromkeys(("epochs", "base_lr", "base_batch", "lr_rule", "warmup_epochs", "lr_decay", "step_epochs",
                      "gamma", "optimizer", "momentum", "weight_decay", "global_batch_size", "batch_size_per_worker",
                      "grad_accum_steps", "clip_grad_norm", "lr", "seed"), "optimization"),
-    **dict.fromkeys(("address", "num_workers", "resize_interval", "resize_timeout", "use_gpu", "cpus_per_worker", "placement", "stages", "replicas", "split_points",
-                     "balance", "schedule", "virtual_stages", "microbatches", "steps_per_call", "cpus_per_stage", "bucket_cap_mb", "threads",
+    **dict.fromkeys(("address", "num_workers", "resize_interval", "resize_timeout", "use_gpu", "cpus_per_worker",
+                     "placement", "stages", "replicas", "split_points", "balance", "schedule", "virtual_stages",
+                     "microbatches", "steps_per_call", "cpus_per_stage", "bucket_cap_mb", "threads",
                      "balanced", "interleaved", "balance_microbatches", "balance_trials"), "distribution"),
-    **dict.fromkeys(("storage_path", "name", "checkpoint_every", "checkpoint_every_steps", "num_to_keep", "max_failures", "resume_from",
-                     "resume"), "checkpoints"),
+    **dict.fromkeys(("storage_path", "name", "checkpoint_every", "checkpoint_every_steps", "num_to_keep",
+                     "max_failures", "resume_from", "resume"), "checkpoints"),
     **dict.fromkeys(("base_lrs", "lr_min", "lr_max", "global_batch_sizes", "optimizers", "warmup_epochs_grid",
                      "scheduler", "metric", "grace_period", "reduction_factor", "max_concurrent_trials"), "sweep"),
-    **dict.fromkeys(("steps", "warmup", "resnet_rounds", "repeats", "hybrid", "hybrid_workers", "hybrid_microbatches"), "benchmark"),
+    **dict.fromkeys(("steps", "warmup", "resnet_rounds", "repeats", "hybrid", "hybrid_workers",
+                     "hybrid_microbatches"), "benchmark"),
     **dict.fromkeys(("out", "log_every", "verbose", "quiet", "inject_fault", "hold_at_step"), "output"),
 }  # fmt: skip
 
@@ -155,7 +158,9 @@ def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
 
 
 def _is_int(value: Any) -> bool:
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and value.strip().isdigit())
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, str) and value.strip().isdigit()
+    )
 
 
 def _convert(base: type, value: Any, flag: str, source: str) -> Any:
@@ -170,11 +175,18 @@ def _convert(base: type, value: Any, flag: str, source: str) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, positional: tuple[str, ...] = ()) -> None:
-    """Add ``--config`` and one flag per field of ``cls`` (but the ``positional`` ones); unspecified flags stay absent."""
+    """Add ``--config`` and one flag per field of ``cls`` (but the ``positional`` ones); unspecified flags
+    stay absent."""
     fields = [f for f in dataclasses.fields(cls) if f.name != "json" and f.name not in positional]
-    groups = {name: parser.add_argument_group(f"{name} options") for name in GROUPS if any(group_of(f) == name for f in fields)}
+    groups = {
+        name: parser.add_argument_group(f"{name} options")
+        for name in GROUPS
+        if any(group_of(f) == name for f in fields)
+    }
     groups["output"] = groups.get("output") or parser.add_argument_group("output options")
-    groups["output"].add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="YAML file of options (flags win)")
+    groups["output"].add_argument(
+        "--config", metavar="FILE", default=argparse.SUPPRESS, help="YAML file of options (flags win)"
+    )
     for f in fields:
         base, _ = _base_type(_field_types(cls)[f.name])
         meta = f.metadata
@@ -195,9 +207,17 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, positional: tuple[
             kwargs["metavar"] = f.name.upper()
         group.add_argument(flag_name(f.name), type=str, **kwargs)
         for alias in meta.get("aliases", ()):
-            parser.add_argument(flag_name(alias), type=str, dest=f.name, default=argparse.SUPPRESS,
-                                help=argparse.SUPPRESS, action=_DeprecatedFlag)  # fmt: skip
-    groups["output"].add_argument("--json", action="store_true", default=False, help="print one JSON object as the last line")
+            parser.add_argument(
+                flag_name(alias),
+                type=str,
+                dest=f.name,
+                default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+                action=_DeprecatedFlag,
+            )
+    groups["output"].add_argument(
+        "--json", action="store_true", default=False, help="print one JSON object as the last line"
+    )
 
 
 def read_yaml(path: str) -> dict[str, Any]:
@@ -231,7 +251,8 @@ def build_config(cls: type[C], args: argparse.Namespace | dict[str, Any]) -> C:
                 name = renamed[name]
             if name not in names or name == "json":
                 raise UsageError(
-                    f"--config: unknown option {key!r} in {config_path}; accepted: {', '.join(sorted(names - {'json'}))}"
+                    f"--config: unknown option {key!r} in {config_path}; accepted: "
+                    f"{', '.join(sorted(names - {'json'}))}"
                 )
             values[name] = _coerce(cls, name, value, f"in {config_path}")
     for name, value in given.items():
@@ -309,7 +330,11 @@ class FaultSpec:
         parts = spec.split(":", 2)
         at_step = at_steps and len(parts) == 3 and parts[1][:1] == "s" and parts[1][1:].isdigit()
         accepted = "INDEX:EPOCH:MARKER" + (" or INDEX:sSTEP:MARKER" if at_steps else "")
-        check(len(parts) == 3 and parts[0].isdigit() and (parts[1].isdigit() or at_step), "inject_fault", f"accepted: {accepted}")
+        check(
+            len(parts) == 3 and parts[0].isdigit() and (parts[1].isdigit() or at_step),
+            "inject_fault",
+            f"accepted: {accepted}",
+        )
         return cls(int(parts[0]), parts[1], parts[2])
 
     def due(self, at: str) -> bool:
@@ -351,11 +376,17 @@ class TrainOptions:
     optimizer: str = option("sgd", "optimizer", OPTIMIZERS)
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(5e-4, "weight decay (never on BatchNorm and bias)")
-    precision: str = option("fp32", "fp32 | bf16 (autocast) | fp16 (CUDA, GradScaler) | fp64 (verification)", PRECISIONS)
+    precision: str = option(
+        "fp32", "fp32 | bf16 (autocast) | fp16 (CUDA, GradScaler) | fp64 (verification)", PRECISIONS
+    )
     augment: bool = option(False, "random crop and horizontal flip, seeded per sample and epoch")
     seed: int = option(0, "seed of the model init, sample order and augmentation")
     storage_path: str = option("~/ray_results", "where runs and checkpoints go (local folder, NFS, s3://...)")
-    name: str | None = option(None, "run name; rerun with the same name to resume (default: the command and the start time, e.g. ddp-20261130-113831)")
+    name: str | None = option(
+        None,
+        "run name; rerun with the same name to resume (default: the command and the start time, e.g. "
+        "ddp-20261130-113831)",
+    )
     checkpoint_every: int = option(1, "write a checkpoint every this many epochs (and after the last)")
     num_to_keep: int = option(2, "checkpoints kept")
     max_failures: int = option(0, "restarts from the last checkpoint after a worker or stage failure")
@@ -363,7 +394,9 @@ class TrainOptions:
     log_every: int = option(50, "progress line every this many steps within an epoch (0: off)")
     verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
     quiet: bool = option(False, "print only the summary: no progress or epoch lines (errors and warnings still print)")
-    inject_fault: str | None = option(None, "testing: INDEX:EPOCH:MARKER fails worker/stage INDEX once after EPOCH", hidden=True)
+    inject_fault: str | None = option(
+        None, "testing: INDEX:EPOCH:MARKER fails worker/stage INDEX once after EPOCH", hidden=True
+    )
     json: bool = False
     FAULTS_AT_STEPS = False  # --inject-fault takes only epochs; a command whose loop can fail after a step says so
 

@@ -33,7 +33,9 @@ def run_dtype(precision: str) -> torch.dtype:
 def build_run_model(cfg: Any, meta: Any) -> nn.Module:
     """The run's model for the data set ``meta`` describes, in the run's dtype (``models`` adapts
     it to the data: channels, small stem, image size); the caller seeds it."""
-    model = build_model(cfg.model, meta.num_classes, meta.channels, cfg.small_stem, cfg.weights, image_size=meta.image_size)
+    model = build_model(
+        cfg.model, meta.num_classes, meta.channels, cfg.small_stem, cfg.weights, image_size=meta.image_size
+    )
     return model.to(run_dtype(cfg.precision))
 
 
@@ -56,5 +58,6 @@ def epoch_line(metrics: dict, epochs: int, extra: str = "") -> str:
     """``epoch E/N train_loss .. val_loss .. val_accuracy .. samples/s ..{extra} lr ..`` of an epoch's metrics."""
     return (
         f"epoch {metrics['epoch']}/{epochs} train_loss {metrics['train_loss']:.4f} val_loss {metrics['val_loss']:.4f} "
-        f"val_accuracy {metrics['val_accuracy']:.4f} samples/s {metrics['samples_per_second']:.1f}{extra} lr {metrics['lr']:.5f}"
+        f"val_accuracy {metrics['val_accuracy']:.4f} samples/s {metrics['samples_per_second']:.1f}{extra} lr "
+        f"{metrics['lr']:.5f}"
     )

@@ -100,6 +100,14 @@ def schedule_for(cfg: Any, steps_per_epoch: int) -> LRSchedule:
     """``make_schedule`` of a training command's config (``config.TrainOptions``' lr options and
     its ``global_batch_size``) at ``steps_per_epoch`` optimizer steps an epoch."""
     return make_schedule(
-        cfg.base_lr, cfg.global_batch_size, cfg.base_batch, cfg.lr_rule, cfg.warmup_epochs,
-        cfg.epochs, steps_per_epoch, cfg.lr_decay, cfg.step_epochs, cfg.gamma,
-    )  # fmt: skip
+        cfg.base_lr,
+        cfg.global_batch_size,
+        cfg.base_batch,
+        cfg.lr_rule,
+        cfg.warmup_epochs,
+        cfg.epochs,
+        steps_per_epoch,
+        cfg.lr_decay,
+        cfg.step_epochs,
+        cfg.gamma,
+    )

@@ -106,7 +106,9 @@ def check_model_syntax(name: str) -> None:
         if not _CALLABLE_SPEC.fullmatch(name):
             raise UsageError(f"--model: {name!r} is not of the form package.module:callable (e.g. mymodels:tiny_net)")
     elif not re.fullmatch(_NAME, name):
-        raise UsageError(f"--model: {name!r} is neither a torchvision model name (e.g. resnet18) nor package.module:callable")
+        raise UsageError(
+            f"--model: {name!r} is neither a torchvision model name (e.g. resnet18) nor package.module:callable"
+        )
 
 
 def wants_small_stem(image_size: int) -> bool:
@@ -141,12 +143,18 @@ def build_model(
     return model
 
 
-def _torchvision_model(name: str, num_classes: int, in_channels: int, image_size: int | None, small_stem: bool | None) -> nn.Module:
+def _torchvision_model(
+    name: str, num_classes: int, in_channels: int, image_size: int | None, small_stem: bool | None
+) -> nn.Module:
     from torch import nn
     from torchvision import models as tv_models
 
     builder = _torchvision_builder(name)
-    kwargs: dict[str, Any] = {"weights": None, "num_classes": num_classes, **_FIXED_ARGUMENTS.get(builder.__module__, {})}
+    kwargs: dict[str, Any] = {
+        "weights": None,
+        "num_classes": num_classes,
+        **_FIXED_ARGUMENTS.get(builder.__module__, {}),
+    }
     if image_size is not None and builder.__module__ in _SIZE_ARGUMENT:
         kwargs |= _SIZE_ARGUMENT[builder.__module__](image_size)
     try:
@@ -159,8 +167,12 @@ def _torchvision_model(name: str, num_classes: int, in_channels: int, image_size
         raise SizeRefused(f"{type(exc).__name__}: {_first_line(exc)}"[:200]) from exc
     is_resnet = isinstance(model, tv_models.ResNet)
     if small_stem and not is_resnet:
-        raise UsageError(f"--small-stem: applies to torchvision ResNets ({', '.join(RESNET_NAMES)}); {name} has no such rule")
-    if is_resnet and (wants_small_stem(image_size) if small_stem is None and image_size is not None else bool(small_stem)):
+        raise UsageError(
+            f"--small-stem: applies to torchvision ResNets ({', '.join(RESNET_NAMES)}); {name} has no such rule"
+        )
+    if is_resnet and (
+        wants_small_stem(image_size) if small_stem is None and image_size is not None else bool(small_stem)
+    ):
         model.conv1 = nn.Conv2d(in_channels, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
     elif in_channels != 3:
@@ -189,9 +201,16 @@ def _set_input_channels(model: nn.Module, in_channels: int) -> None:
 
     path, conv = next((p, m) for p, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.in_channels == 3)
     new = nn.Conv2d(
-        in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
-        conv.groups, conv.bias is not None, conv.padding_mode,
-    )  # fmt: skip
+        in_channels,
+        conv.out_channels,
+        conv.kernel_size,
+        conv.stride,
+        conv.padding,
+        conv.dilation,
+        conv.groups,
+        conv.bias is not None,
+        conv.padding_mode,
+    )
     parent_path, _, attribute = path.rpartition(".")
     setattr(model.get_submodule(parent_path), attribute, new)
 
@@ -223,7 +242,9 @@ def _user_model(spec: str, num_classes: int, in_channels: int, image_size: int |
     except Exception as exc:  # the user's code: any failure is reported as one line
         raise UsageError(f"--model: {call} raised {type(exc).__name__}: {_first_line(exc)}") from exc
     if not isinstance(model, nn.Module):
-        raise UsageError(f"--model: {call} returned {type(model).__module__}.{type(model).__qualname__}, not a torch.nn.Module")
+        raise UsageError(
+            f"--model: {call} returned {type(model).__module__}.{type(model).__qualname__}, not a torch.nn.Module"
+        )
     return model
 
 
@@ -238,7 +259,9 @@ def _import_callable(spec: str) -> Callable[..., Any]:
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or the module's own code failing on import
-        raise UsageError(f"--model: module {module_name!r} does not import ({type(exc).__name__}: {_first_line(exc)})") from exc
+        raise UsageError(
+            f"--model: module {module_name!r} does not import ({type(exc).__name__}: {_first_line(exc)})"
+        ) from exc
     for part in attribute.split("."):
         if not hasattr(target, part):
             raise UsageError(f"--model: module {module_name!r} has no attribute {attribute!r}")
@@ -278,7 +301,10 @@ def check_model(
         works = _smallest_size(name, num_classes, in_channels, small_stem, model)
     shape = f"{in_channels}x{image_size}x{image_size}"
     if works is None:
-        raise UsageError(f"--model: {name} fails on a batch of 2 of {shape} (and on every size of {', '.join(map(str, PROBE_SIZES))} px): {failure}")
+        raise UsageError(
+            f"--model: {name} fails on a batch of 2 of {shape} (and on every size of "
+            f"{', '.join(map(str, PROBE_SIZES))} px): {failure}"
+        )
     raise UsageError(
         f"--model: {name} cannot take {image_size}x{image_size} images ({failure}); the smallest size that works "
         f"(of {', '.join(map(str, PROBE_SIZES))} px tried) is {works}: prepare the data with --image-size {works}"
@@ -303,7 +329,9 @@ def _probe(model: nn.Module, in_channels: int, image_size: int) -> str | None:
     return None
 
 
-def _smallest_size(name: str, num_classes: int, in_channels: int, small_stem: bool | None, model: nn.Module | None) -> int | None:
+def _smallest_size(
+    name: str, num_classes: int, in_channels: int, small_stem: bool | None, model: nn.Module | None
+) -> int | None:
     """The smallest of ``PROBE_SIZES`` a model of ``name`` takes; the model is rebuilt for each
     size where the size is a build argument (a user's callable, ViT, MaxViT), else reused."""
     from torchvision import models as tv_models

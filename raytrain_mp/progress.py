@@ -44,9 +44,21 @@ class Progress:
     """The progress of one attempt of a run of ``epochs`` epochs of ``steps_per_epoch`` steps of
     ``global_batch`` samples that starts after ``start_step`` global steps."""
 
-    def __init__(self, epochs: int, steps_per_epoch: int, global_batch: int, start_step: int,
-                 log_every: int, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
-        self.epochs, self.steps_per_epoch, self.global_batch, self.log_every = epochs, steps_per_epoch, global_batch, log_every
+    def __init__(
+        self,
+        epochs: int,
+        steps_per_epoch: int,
+        global_batch: int,
+        start_step: int,
+        log_every: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.epochs, self.steps_per_epoch, self.global_batch, self.log_every = (
+            epochs,
+            steps_per_epoch,
+            global_batch,
+            log_every,
+        )
         self.clock = clock
         self.started = self.epoch_started = self.last_live = clock()
         self.start_step = self.epoch_start_step = start_step
@@ -71,7 +83,9 @@ class Progress:
         """Record that ``global_step`` steps are done; ``"log"`` when this is a ``--log-every``
         step, ``"live"`` when a live update is due, else None."""
         self.position = divmod(global_step, self.steps_per_epoch)
-        if global_step % self.steps_per_epoch == 0:  # the last step of an epoch: position (epoch, n), not (epoch + 1, 0)
+        if (
+            global_step % self.steps_per_epoch == 0
+        ):  # the last step of an epoch: position (epoch, n), not (epoch + 1, 0)
             self.position = (global_step // self.steps_per_epoch - 1, self.steps_per_epoch)
         now = self.clock()
         if self.log_every and self.position[1] % self.log_every == 0:
@@ -91,7 +105,11 @@ class Progress:
         run_rate = (self.done - self.start_step) / max(now - self.started, 1e-9)
         left_in_epoch = self.steps_per_epoch - step
         left_in_run = self.epochs * self.steps_per_epoch - self.done
-        eta = f"eta {duration(left_in_epoch / epoch_rate)} (run {duration(left_in_run / run_rate)})" if in_epoch else "eta ?"
+        eta = (
+            f"eta {duration(left_in_epoch / epoch_rate)} (run {duration(left_in_run / run_rate)})"
+            if in_epoch
+            else "eta ?"
+        )
         return (
             f"epoch {epoch + 1}/{self.epochs} step {step}/{self.steps_per_epoch} loss {loss:.4f} "
             f"samples/s {epoch_rate * self.global_batch:.1f} {eta}"

@@ -48,12 +48,22 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import scalar
 
-from raytrain_mp.storage import Location
 from raytrain_mp.plots import png_bytes, pyplot
+from raytrain_mp.storage import Location
 
 METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
-COLUMNS = ("kind", "global_step", "epoch", "train_loss", "lr", "samples_per_second", "bubble_fraction", "val_loss", "val_accuracy")
+COLUMNS = (
+    "kind",
+    "global_step",
+    "epoch",
+    "train_loss",
+    "lr",
+    "samples_per_second",
+    "bubble_fraction",
+    "val_loss",
+    "val_accuracy",
+)
 # The TensorBoard tag of each number column, by row kind.
 TAGS = {
     "step": {"train_loss": "train/loss", "lr": "train/lr", "samples_per_second": "train/samples_per_second",
@@ -83,10 +93,14 @@ class RunLog:
         # The suffix keeps name order = start order, also for attempts within one second.
         self._events = EventsWriter(str(Path(self._local.name) / "events"), f".from-{start_step:09d}")
         # purge_step: rows up to start_step stay, events at later steps from earlier files go.
-        self._events.write_event(Event(wall_time=time.time(), step=start_step + 1, session_log=SessionLog(status=SessionLog.START)))
+        self._events.write_event(
+            Event(wall_time=time.time(), step=start_step + 1, session_log=SessionLog(status=SessionLog.START))
+        )
         self._last_step, self._last_time = start_step, time.perf_counter()
 
-    def step(self, global_step: int, epoch: int, train_loss: float, lr: float, bubble_fraction: float | None = None) -> None:
+    def step(
+        self, global_step: int, epoch: int, train_loss: float, lr: float, bubble_fraction: float | None = None
+    ) -> None:
         """A row after ``global_step`` steps (in epoch ``epoch``, from 1); samples/s is timed since the previous row."""
         now = time.perf_counter()
         rate = (global_step - self._last_step) * self.global_batch / max(now - self._last_time, 1e-9)
@@ -105,8 +119,17 @@ class RunLog:
 
     def _add(self, kind: str, global_step: int, epoch: int, numbers: dict[str, float | None]) -> None:
         present = {name: float(value) for name, value in numbers.items() if value is not None}
-        self.rows.append({"kind": kind, "global_step": str(global_step), "epoch": str(epoch), **{k: repr(v) for k, v in present.items()}})
-        summary = Summary(value=[value for name, number in present.items() for value in scalar(TAGS[kind][name], number).value])
+        self.rows.append(
+            {
+                "kind": kind,
+                "global_step": str(global_step),
+                "epoch": str(epoch),
+                **{k: repr(v) for k, v in present.items()},
+            }
+        )
+        summary = Summary(
+            value=[value for name, number in present.items() for value in scalar(TAGS[kind][name], number).value]
+        )
         self._events.write_event(Event(wall_time=time.time(), step=global_step, summary=summary))
 
     def publish(self) -> None:
@@ -120,7 +143,9 @@ class RunLog:
         writer.writerows(self.rows)
         self.run.child(METRICS_FILE).write_bytes(text.getvalue().encode())
         self._events.flush()
-        (events,) = Path(self._local.name).glob("events.out.tfevents.*")  # tensorboardX names it (time, host, our suffix)
+        (events,) = Path(self._local.name).glob(
+            "events.out.tfevents.*"
+        )  # tensorboardX names it (time, host, our suffix)
         self.run.child(events.name).write_bytes(events.read_bytes())
         self._published = len(self.rows)
 

@@ -104,7 +104,10 @@ class Location:
         if not self.exists():
             return []
         infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=False))
-        names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith(prefix)), key=order)
+        names = sorted(
+            (i.base_name for i in infos if i.type == pafs.FileType.Directory and i.base_name.startswith(prefix)),
+            key=order,
+        )
         return [self.child(name) for name in names]
 
 
@@ -133,9 +136,13 @@ def locate(location: str, option: str) -> Location:
     try:
         fs, path = pafs.FileSystem.from_uri(location)  # on S3 without an endpoint: asks AWS for the bucket's region
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
-        raise UsageError(f"{option}: cannot use {location} ({' '.join(str(exc).split())}); accepted: a URI pyarrow opens") from None
+        raise UsageError(
+            f"{option}: cannot use {location} ({' '.join(str(exc).split())}); accepted: a URI pyarrow opens"
+        ) from None
     except OSError as exc:
-        raise UsageError(f"{option}: {location}: the store refused the request ({' '.join(str(exc).split())})") from None
+        raise UsageError(
+            f"{option}: {location}: the store refused the request ({' '.join(str(exc).split())})"
+        ) from None
     return Location(fs, path.rstrip("/") or path, split_query(location)[0].rstrip("/") + split_query(location)[1])
 
 
@@ -148,7 +155,9 @@ def check_reachable(location: Location, option: str) -> None:
     try:
         info = location.fs.get_file_info(bucket)
     except OSError as exc:
-        raise UsageError(f"{option}: {location.uri}: the store refused the request ({' '.join(str(exc).split())})") from None
+        raise UsageError(
+            f"{option}: {location.uri}: the store refused the request ({' '.join(str(exc).split())})"
+        ) from None
     if info.type == pafs.FileType.NotFound:
         raise UsageError(f"{option}: {location.uri}: no bucket {bucket!r}; create it first")
 
@@ -179,8 +188,12 @@ def publish_folder(local: Path, target: Location, last: str | None = None) -> No
     target.fs.create_dir(target.path, recursive=True)
     files = sorted((p for p in local.rglob("*") if p.is_file()), key=lambda p: (p.name == last, str(p)))
     for file in files:
-        pafs.copy_files(str(file), target.child(*file.relative_to(local).parts).path,
-                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=target.fs)  # fmt: skip
+        pafs.copy_files(
+            str(file),
+            target.child(*file.relative_to(local).parts).path,
+            source_filesystem=pafs.LocalFileSystem(),
+            destination_filesystem=target.fs,
+        )
     if last is None:
         target.child(COMPLETE_MARKER).write_bytes(b"")
     shutil.rmtree(local)
@@ -200,7 +213,7 @@ def download_folder(folder: Location, local: Path) -> Path:
         return Path(folder.path)
     for info in folder.fs.get_file_info(pafs.FileSelector(folder.path, recursive=True)):
         if info.type == pafs.FileType.File:
-            target = local / info.path[len(folder.path) + 1:]
+            target = local / info.path[len(folder.path) + 1 :]
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(Location(folder.fs, info.path, "").read_bytes())
     return local

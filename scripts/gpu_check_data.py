@@ -36,11 +36,25 @@ def check_transforms(scratch: Path) -> dict:
     ds = ParquetImageDataset(str(scratch / "t"), "train", augment=True, seed=3)
     images, _, params = ds.batch((1, i) for i in range(128))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    uint8_equal = torch.equal(crop_flip(images.cuda(), params, ds.transform.pad).cpu(), crop_flip(images, params, ds.transform.pad))
-    fp64_equal = torch.equal(ds.transform(images, params, cuda, torch.float64).cpu(), ds.transform(images, params, cpu, torch.float64))
-    fp32_diff = (ds.transform(images, params, cuda, torch.float32).cpu() - ds.transform(images, params, cpu, torch.float32)).abs().max().item()
+    uint8_equal = torch.equal(
+        crop_flip(images.cuda(), params, ds.transform.pad).cpu(), crop_flip(images, params, ds.transform.pad)
+    )
+    fp64_equal = torch.equal(
+        ds.transform(images, params, cuda, torch.float64).cpu(), ds.transform(images, params, cpu, torch.float64)
+    )
+    fp32_diff = (
+        (ds.transform(images, params, cuda, torch.float32).cpu() - ds.transform(images, params, cpu, torch.float32))
+        .abs()
+        .max()
+        .item()
+    )
     passed = uint8_equal and fp64_equal and fp32_diff <= 1e-6
-    return {"uint8_crop_flip_equal": uint8_equal, "fp64_equal": fp64_equal, "fp32_max_abs_diff": fp32_diff, "passed": passed}
+    return {
+        "uint8_crop_flip_equal": uint8_equal,
+        "fp64_equal": fp64_equal,
+        "fp32_max_abs_diff": fp32_diff,
+        "passed": passed,
+    }
 
 
 def check_decode(scratch: Path) -> dict:
@@ -59,7 +73,11 @@ def check_decode(scratch: Path) -> dict:
     on_gpu = decode_jpeg(files, mode=ImageReadMode.RGB, device="cuda")
     on_cpu = [decode_jpeg(f, mode=ImageReadMode.RGB) for f in files]
     diffs = [(g.cpu().int() - c.int()).abs() for g, c in zip(on_gpu, on_cpu)]
-    return {"images": len(files), "max_abs_diff": int(max(d.max() for d in diffs)), "mean_abs_diff": float(np.mean([d.float().mean().item() for d in diffs]))}
+    return {
+        "images": len(files),
+        "max_abs_diff": int(max(d.max() for d in diffs)),
+        "mean_abs_diff": float(np.mean([d.float().mean().item() for d in diffs])),
+    }
 
 
 def resident_samples_per_second(batch: int, steps: int = 20, warmup: int = 5) -> float:
@@ -90,8 +108,9 @@ def resident_samples_per_second(batch: int, steps: int = 20, warmup: int = 5) ->
 
 def check_data_bound(scratch: Path, cpus: int, num_samples: int, batch: int) -> dict:
     data = scratch / "syn224"
-    subprocess.run(["raytrain-mp", "data", "prepare", "synthetic", "--image-size", "224", "--num-samples", str(num_samples),
-                    "--val-fraction", "0.05", "--out", str(data)], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(["raytrain-mp", "data", "prepare", "synthetic", "--image-size", "224",
+                    "--num-samples", str(num_samples), "--val-fraction", "0.05", "--out", str(data)],
+                   check=True, capture_output=True)  # fmt: skip
     done = subprocess.run(
         ["raytrain-mp", "ddp", "--use-gpu", "--num-workers", "1", "--cpus-per-worker", str(cpus), "--model", "resnet50",
          "--precision", "bf16", "--augment", "--epochs", "2", "--global-batch-size", str(batch), "--data", str(data),
@@ -115,7 +134,12 @@ def check_data_bound(scratch: Path, cpus: int, num_samples: int, batch: int) -> 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for gpu_check_data.json")
-    parser.add_argument("--cpus-per-worker", type=int, default=8, help="the DDP worker's CPUs: 1 training process + the rest loader processes")
+    parser.add_argument(
+        "--cpus-per-worker",
+        type=int,
+        default=8,
+        help="the DDP worker's CPUs: 1 training process + the rest loader processes",
+    )
     parser.add_argument("--num-samples", type=int, default=4096, help="synthetic 224x224 images for the end-to-end run")
     parser.add_argument("--global-batch-size", type=int, default=256)
     args = parser.parse_args()

@@ -32,9 +32,16 @@ from raytrain_mp.pipeline.schedule import bubble_for_stage_times, ideal_bubble
 def measure(model: Any, x: Any, y: Any, point: str, m: int, steps: int) -> dict[str, Any]:
     """GPipe over m micro-batches on the cut before ``point``: medians of ``steps`` steps."""
     with PipelineTrainer(
-        model, 2, split_points=[point], num_microbatches=m, schedule="gpipe", lr=LR, momentum=MOMENTUM,
-        weight_decay=0.0, use_gpu=False,
-    ) as trainer:  # fmt: skip
+        model,
+        2,
+        split_points=[point],
+        num_microbatches=m,
+        schedule="gpipe",
+        lr=LR,
+        momentum=MOMENTUM,
+        weight_decay=0.0,
+        use_gpu=False,
+    ) as trainer:
         trainer.train_step(x, y)  # warm-up
         trainer.stats(reset=True)
         stats = []

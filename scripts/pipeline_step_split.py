@@ -50,10 +50,18 @@ def measure(schedule: str, m: int, rounds: int) -> dict[str, list[float]] | None
     ours = StageWorker([stage_modules(copy.deepcopy(model), blocks)[rank]], config)
     chunk = stage_modules(model, blocks)[rank].train()
     optimizer = sgd(chunk)
-    theirs = SCHEDULES[schedule].torch_class()(PipelineStage(chunk, rank, world, torch.device("cpu")), m, loss_fn=F.cross_entropy)
+    theirs = SCHEDULES[schedule].torch_class()(
+        PipelineStage(chunk, rank, world, torch.device("cpu")), m, loss_fn=F.cross_entropy
+    )
 
     def our_step() -> None:
-        ours.train_step(SCHEDULES[schedule], m, (BATCH // m, *x.shape[1:]), x if rank == 0 else None, y if rank == world - 1 else None)
+        ours.train_step(
+            SCHEDULES[schedule],
+            m,
+            (BATCH // m, *x.shape[1:]),
+            x if rank == 0 else None,
+            y if rank == world - 1 else None,
+        )
 
     def their_step() -> None:
         theirs.step(x) if rank == 0 else theirs.step(target=y, return_outputs=False)
@@ -86,7 +94,8 @@ def free_port() -> int:
 
 def under_torchrun(args: argparse.Namespace) -> dict[str, list[float]]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-               "--schedule", args.schedule, "--microbatches", str(args.microbatches), "--rounds", str(args.rounds)]  # fmt: skip
+               "--schedule", args.schedule, "--microbatches", str(args.microbatches),
+               "--rounds", str(args.rounds)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -133,12 +142,24 @@ def main() -> None:
         return
     places = {"torchrun": under_torchrun(args), "ray_actors": in_ray_actors(args)}
     median = {place: {loop: statistics.median(ms) for loop, ms in loops.items()} for place, loops in places.items()}
-    print(json.dumps({
-        "schedule": args.schedule, "microbatches": args.microbatches, "rounds": args.rounds, "steps_a_block": BLOCK,
-        "ms_per_step": {place: {loop: spread(ms) for loop, ms in loops.items()} for place, loops in places.items()},
-        "torch_over_ours_same_process": {place: m["torch"] / m["ours"] for place, m in median.items()},
-        "torchrun_over_ray_actors_same_code": {loop: median["torchrun"][loop] / median["ray_actors"][loop] for loop in ("ours", "torch")},
-    }, indent=2))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "schedule": args.schedule,
+                "microbatches": args.microbatches,
+                "rounds": args.rounds,
+                "steps_a_block": BLOCK,
+                "ms_per_step": {
+                    place: {loop: spread(ms) for loop, ms in loops.items()} for place, loops in places.items()
+                },
+                "torch_over_ours_same_process": {place: m["torch"] / m["ours"] for place, m in median.items()},
+                "torchrun_over_ray_actors_same_code": {
+                    loop: median["torchrun"][loop] / median["ray_actors"][loop] for loop in ("ours", "torch")
+                },
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

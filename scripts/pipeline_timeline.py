@@ -79,10 +79,14 @@ def record_spans() -> None:
             result = original(self, *args, **kwargs)
             end = time.perf_counter()
             record = {
-                "runtime": os.environ[RUNTIME_ENV], "rank": dist.get_rank(), "schedule": names[type(self)],
-                "microbatches": self._n_microbatches, "began": began, "wall": end - start,
+                "runtime": os.environ[RUNTIME_ENV],
+                "rank": dist.get_rank(),
+                "schedule": names[type(self)],
+                "microbatches": self._n_microbatches,
+                "began": began,
+                "wall": end - start,
                 "ops": [(kind, stage, chunk, a - start, b - start) for kind, stage, chunk, a, b in ops],
-            }  # fmt: skip
+            }
             with path.open("a") as out:
                 out.write(json.dumps(record) + "\n")
             return result
@@ -97,12 +101,16 @@ def read_steps(directory: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for path in sorted(directory.glob("*.jsonl")) for line in path.read_text().splitlines()]
 
 
-def runs_of(steps: Sequence[dict[str, Any]], windows: Sequence[tuple[str, int, float, float]]) -> dict[tuple, list[dict[str, Any]]]:
+def runs_of(
+    steps: Sequence[dict[str, Any]], windows: Sequence[tuple[str, int, float, float]]
+) -> dict[tuple, list[dict[str, Any]]]:
     """The steps grouped by (schedule, m, runtime, round, rank), in the order they ran; a step's round
     is the window (runtime, round, began, ended) its start falls in."""
     runs: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for step in sorted(steps, key=lambda s: s["began"]):
-        rounds = [r for runtime, r, began, ended in windows if runtime == step["runtime"] and began <= step["began"] <= ended]
+        rounds = [
+            r for runtime, r, began, ended in windows if runtime == step["runtime"] and began <= step["began"] <= ended
+        ]
         if len(rounds) != 1:
             raise ValueError(f"a {step['runtime']} step at {step['began']} is in {len(rounds)} rounds' windows")
         runs[step["schedule"], step["microbatches"], step["runtime"], rounds[0], step["rank"]].append(step)
@@ -114,10 +122,13 @@ def step_figures(step: dict[str, Any]) -> dict[str, float]:
     forwards = [end - start for kind, _, _, start, end in step["ops"] if kind == "F"]
     backwards = [end - start for kind, _, _, start, end in step["ops"] if kind != "F"]
     return {
-        "wall": step["wall"], "forward": sum(forwards), "backward": sum(backwards),
+        "wall": step["wall"],
+        "forward": sum(forwards),
+        "backward": sum(backwards),
         "idle": step["wall"] - sum(forwards) - sum(backwards),
-        "forward_op": statistics.median(forwards), "backward_op": statistics.median(backwards),
-    }  # fmt: skip
+        "forward_op": statistics.median(forwards),
+        "backward_op": statistics.median(backwards),
+    }
 
 
 def summarize(runs: dict[tuple, list[dict[str, Any]]], warmup: int) -> list[dict[str, Any]]:
@@ -135,15 +146,18 @@ def summarize(runs: dict[tuple, list[dict[str, Any]]], warmup: int) -> list[dict
                 if (s_, m_, runtime_) == (schedule, m, runtime)
             ]
             for runtime in ("ours", "torch")
-        }  # fmt: skip
+        }
         ratios = [
-            {"rank": o["rank"], **{f: t[f] / o[f] for f in FIGURES}} for o, t in zip(by_runtime["ours"], by_runtime["torch"], strict=True)
+            {"rank": o["rank"], **{f: t[f] / o[f] for f in FIGURES}}
+            for o, t in zip(by_runtime["ours"], by_runtime["torch"], strict=True)
         ]
         points.append({"schedule": schedule, "microbatches": m, "ranks": by_runtime, "torch_over_ours": ratios})
     return points
 
 
-def median_step(runs: dict[tuple, list[dict[str, Any]]], schedule: str, m: int, runtime: str, warmup: int) -> list[dict[str, Any]]:
+def median_step(
+    runs: dict[tuple, list[dict[str, Any]]], schedule: str, m: int, runtime: str, warmup: int
+) -> list[dict[str, Any]]:
     """One whole step of ``runtime`` at (schedule, m), every rank's record of it: the step whose
     rank 0 wall is the median of the steps after warm-up (the k-th step of a run is the same step on
     every rank)."""
@@ -182,7 +196,11 @@ def plot(runs: dict[tuple, list[dict[str, Any]]], points: Sequence[dict[str, Any
         ax.set_yticks([rank["rank"] for rank in step], [f"rank {rank['rank']}" for rank in step])
         ax.invert_yaxis()
         ax.set_xlim(0, 1.01 * longest[schedule, m])
-        ax.set_title(f"{runtime}: {schedule} m={m}, its median step (blue forward, orange backward, green weight gradients of a split backward, | end)", fontsize=9)
+        ax.set_title(
+            f"{runtime}: {schedule} m={m}, its median step (blue forward, orange backward, green weight gradients of "
+            "a split backward, | end)",
+            fontsize=9,
+        )
     axes[-1, 0].set_xlabel("seconds from the step's first start")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -195,7 +213,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--image-size", type=int, default=128)
     parser.add_argument("--global-batch-size", type=int, default=64)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
-    parser.add_argument("--memory-format", default="auto", help="of ours; torch's ranks compute in the layouts ours chose")
+    parser.add_argument(
+        "--memory-format", default="auto", help="of ours; torch's ranks compute in the layouts ours chose"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="timed steps a point, a round, a runtime")
     parser.add_argument("--warmup", type=int, default=1)
@@ -208,41 +228,64 @@ def main(argv: Sequence[str] | None = None) -> None:
     from raytrain_mp.bench.config import BenchPipelineConfig
 
     cfg = BenchPipelineConfig(
-        out=str(args.out), model=args.model, image_size=args.image_size, global_batch_size=args.global_batch_size,
-        microbatches=tuple(args.microbatches), memory_format=args.memory_format, steps=args.steps, warmup=args.warmup,
-        overhead=False, hybrid=False, balanced=False, interleaved=False,
-    )  # fmt: skip
+        out=str(args.out),
+        model=args.model,
+        image_size=args.image_size,
+        global_batch_size=args.global_batch_size,
+        microbatches=tuple(args.microbatches),
+        memory_format=args.memory_format,
+        steps=args.steps,
+        warmup=args.warmup,
+        overhead=False,
+        hybrid=False,
+        balanced=False,
+        interleaved=False,
+    )
     spans = args.out / "spans"
     spans.mkdir(parents=True, exist_ok=True)
     for old in spans.glob("*.jsonl"):
         old.unlink()
     here = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    os.environ.update({SPANS_ENV: str(spans.resolve()), RUNTIME_ENV: "torch", "PYTHONPATH": path})  # torchrun's ranks inherit these
+    os.environ.update(
+        {SPANS_ENV: str(spans.resolve()), RUNTIME_ENV: "torch", "PYTHONPATH": path}
+    )  # torchrun's ranks inherit these
     model, x, y = bench.seeded_setup(cfg.model, cfg.num_classes, cfg.image_size, cfg.global_batch_size, cfg.seed)
     windows: list[tuple[str, int, float, float]] = []
     ray.init(
-        address="local", num_cpus=cfg.stages * cfg.cpus_per_stage, include_dashboard=False, log_to_driver=False,
-        runtime_env={"worker_process_setup_hook": f"{Path(__file__).stem}.record_spans", "env_vars": {**{k: os.environ[k] for k in (SPANS_ENV, "PYTHONPATH")}, RUNTIME_ENV: "ours"}},
-    )  # fmt: skip
+        address="local",
+        num_cpus=cfg.stages * cfg.cpus_per_stage,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={
+            "worker_process_setup_hook": f"{Path(__file__).stem}.record_spans",
+            "env_vars": {**{k: os.environ[k] for k in (SPANS_ENV, "PYTHONPATH")}, RUNTIME_ENV: "ours"},
+        },
+    )
     try:
         for round_ in range(args.rounds):
             began = time.time()
             ours = bench.layout_runs(cfg, model, x, y, cfg.split_points, cfg.microbatches)
             windows.append(("ours", round_, began, time.time()))
             began = time.time()
-            bench.native_runs(cfg, {"ours_layouts": bench.resnet_case(cfg, ours["plan"], ours["runs"])}, module=Path(__file__).stem)
+            bench.native_runs(
+                cfg, {"ours_layouts": bench.resnet_case(cfg, ours["plan"], ours["runs"])}, module=Path(__file__).stem
+            )
             windows.append(("torch", round_, began, time.time()))
     finally:
         ray.shutdown()
     runs = runs_of(read_steps(spans), windows)
     points = summarize(runs, args.warmup)
-    (args.out / "timeline.json").write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "points": points}, indent=1))
+    (args.out / "timeline.json").write_text(
+        json.dumps({"settings": vars(args) | {"out": str(args.out)}, "points": points}, indent=1)
+    )
     plot(runs, points, args.warmup, args.out / "timeline.png")
     for point in points:
         for ratio in point["torch_over_ours"]:
-            print(f"{point['schedule']} m={point['microbatches']} rank {ratio['rank']}: torch / ours "
-                  + ", ".join(f"{f} {ratio[f]:.3f}" for f in FIGURES))  # fmt: skip
+            print(
+                f"{point['schedule']} m={point['microbatches']} rank {ratio['rank']}: torch / ours "
+                + ", ".join(f"{f} {ratio[f]:.3f}" for f in FIGURES)
+            )
     print(f"wrote {args.out / 'timeline.json'} and {args.out / 'timeline.png'}")
 
 

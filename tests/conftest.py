@@ -35,8 +35,12 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # one poll; measured here, 0.3 s took a 2-worker fit's end from 5.1 s to 2.3 s. Every Ray the
 # tests start (the session's, the commands', the simulated clusters') inherits it.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.3")
-for _name, _value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                      "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():  # fmt: skip
+for _name, _value in {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}.items():
     os.environ.setdefault(_name, _value)
 
 
@@ -107,14 +111,21 @@ def no_tf32():
 def ray_session():
     import ray
 
-    from helpers import session_cpus, session_gpus
     from raytrain_mp.cluster import quiet_ray_train_logs
+
+    from helpers import session_cpus, session_gpus
 
     if not ray.is_initialized():
         quiet_ray_train_logs()
         # "local": a new Ray of its own even where another runs on this machine (a plain init
         # would join that one through /tmp/ray/ray_current_cluster and refuse num_cpus)
-        ray.init(address="local", num_cpus=session_cpus(), num_gpus=session_gpus(), include_dashboard=False, log_to_driver=True)
+        ray.init(
+            address="local",
+            num_cpus=session_cpus(),
+            num_gpus=session_gpus(),
+            include_dashboard=False,
+            log_to_driver=True,
+        )
     yield ray
     ray.shutdown()
 

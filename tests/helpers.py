@@ -61,9 +61,10 @@ def assert_usage_error(result: CliResult, *fragments: str) -> None:
     tool's ``note:`` lines) holding every fragment."""
     assert result.code == 2, result
     lines = [
-        line for line in result.err.strip().splitlines()
+        line
+        for line in result.err.strip().splitlines()
         if line.strip() and not RAY_FORWARDED.match(line) and not line.startswith("note: ")  # e.g. a device choice
-    ]  # fmt: skip
+    ]
     assert len(lines) == 1, lines
     assert "error:" in lines[0]
     for fragment in fragments:
@@ -167,7 +168,17 @@ def png16_bytes(samples: np.ndarray) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
 
 
-MIXED_MODES = ("rgb.jpg", "gray.jpg", "cmyk.jpg", "rgba.png", "palette.png", "gray16.png", "rgb16.png", "la.png", "bilevel.png")
+MIXED_MODES = (
+    "rgb.jpg",
+    "gray.jpg",
+    "cmyk.jpg",
+    "rgba.png",
+    "palette.png",
+    "gray16.png",
+    "rgb16.png",
+    "la.png",
+    "bilevel.png",
+)
 
 
 def mixed_mode_image_folder(root: Path, seed: int = 0) -> Path:
@@ -183,7 +194,9 @@ def mixed_mode_image_folder(root: Path, seed: int = 0) -> Path:
         for name in MIXED_MODES:
             h, w = (int(v) for v in rng.integers(14, 41, size=2))
             base = rng.uniform(30, 220, size=(3, 3, 3)) + 20 * c
-            rgb = np.clip(np.kron(base, np.ones((h // 3 + 1, w // 3 + 1, 1)))[:h, :w] + rng.normal(0, 8, (h, w, 3)), 0, 255)
+            rgb = np.clip(
+                np.kron(base, np.ones((h // 3 + 1, w // 3 + 1, 1)))[:h, :w] + rng.normal(0, 8, (h, w, 3)), 0, 255
+            )
             image = Image.fromarray(rgb.astype(np.uint8))
             path = folder / name
             if name == "rgb.jpg":
@@ -193,14 +206,18 @@ def mixed_mode_image_folder(root: Path, seed: int = 0) -> Path:
             elif name == "cmyk.jpg":
                 image.convert("CMYK").save(path, quality=90)
             elif name == "rgba.png":
-                Image.fromarray(np.dstack([rgb.astype(np.uint8), rng.integers(0, 256, (h, w), dtype=np.uint8)])).save(path)
+                Image.fromarray(np.dstack([rgb.astype(np.uint8), rng.integers(0, 256, (h, w), dtype=np.uint8)])).save(
+                    path
+                )
             elif name == "palette.png":
                 palette = image.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
                 palette.save(path, transparency=0)
             elif name == "gray16.png":
                 Image.fromarray((rgb[..., 0] * 257).astype(np.uint16)).save(path)
             elif name == "rgb16.png":
-                path.write_bytes(png16_bytes(np.minimum(rgb.astype(np.int64) * 257 + rng.integers(0, 257, (h, w, 3)), 65535)))
+                path.write_bytes(
+                    png16_bytes(np.minimum(rgb.astype(np.int64) * 257 + rng.integers(0, 257, (h, w, 3)), 65535))
+                )
             elif name == "la.png":
                 Image.fromarray(np.dstack([rgb[..., 1], rgb[..., 2]]).astype(np.uint8)).save(path)  # LA
             else:

@@ -100,7 +100,12 @@ class Killer:
             self._kill(pid, found[pid], why)
 
     def kill_at_random(
-        self, seed: int, faults: int, gap_s: tuple[float, float], rebuild_every: int = 0, checkpoints: Path | None = None
+        self,
+        seed: int,
+        faults: int,
+        gap_s: tuple[float, float],
+        rebuild_every: int = 0,
+        checkpoints: Path | None = None,
     ) -> None:
         """``faults`` kills of a random process with the title. Each comes ``gap_s`` (uniform)
         seconds after such processes exist, or, with ``checkpoints`` (a run folder) for every

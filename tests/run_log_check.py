@@ -38,10 +38,17 @@ def read_events(run: Location) -> dict[tuple[str, int], float]:
 
 def csv_as_events(rows: list[dict[str, str]]) -> dict[tuple[str, int], float]:
     """The events the CSV's rows stand for."""
-    return {(TAGS[r["kind"]][name], int(r["global_step"])): float(r[name]) for r in rows for name in TAGS[r["kind"]] if r.get(name)}
+    return {
+        (TAGS[r["kind"]][name], int(r["global_step"])): float(r[name])
+        for r in rows
+        for name in TAGS[r["kind"]]
+        if r.get(name)
+    }
 
 
-def checked_run_log(run: str, steps: int, epochs: int, steps_per_epoch: int, log_every: int = 1) -> list[dict[str, str]]:
+def checked_run_log(
+    run: str, steps: int, epochs: int, steps_per_epoch: int, log_every: int = 1
+) -> list[dict[str, str]]:
     """The rows of the finished run at ``run`` (a path or URI), after checking that it logged every
     ``log_every``-th of ``steps`` global steps and every epoch exactly once, in order, that its
     events carry the CSV's numbers and that it drew its curves."""

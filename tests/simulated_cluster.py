@@ -48,9 +48,13 @@ class SimulatedCluster:
 
     def __init__(self, workers: int = 1) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-c", CLUSTER_SCRIPT, str(workers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env=driver_env(), start_new_session=True,
-        )  # fmt: skip
+            [sys.executable, "-c", CLUSTER_SCRIPT, str(workers)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=driver_env(),
+            start_new_session=True,
+        )
         self.address = self.process.stdout.readline().strip()
         assert self.address, "the cluster process exited before printing its address"
 

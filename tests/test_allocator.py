@@ -26,7 +26,9 @@ print(kept, round(held), round(resident_mib() - before))
 
 
 def probe(mode: str) -> list[str]:
-    return subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True).stdout.split()
+    return subprocess.run(
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True
+    ).stdout.split()
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists() or platform.libc_ver()[0] != "glibc", reason="glibc on Linux")

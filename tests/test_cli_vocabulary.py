@@ -60,7 +60,18 @@ def visible_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]
 
 
 def test_every_subcommand_is_listed():
-    assert sorted(subcommands()) == ["bench data", "bench ddp", "bench pipeline", "data prepare", "ddp", "eval", "export", "pipeline", "predict", "tune"]
+    assert sorted(subcommands()) == [
+        "bench data",
+        "bench ddp",
+        "bench pipeline",
+        "data prepare",
+        "ddp",
+        "eval",
+        "export",
+        "pipeline",
+        "predict",
+        "tune",
+    ]
 
 
 @pytest.mark.parametrize("pattern, flag", CONCEPTS.items())
@@ -94,9 +105,14 @@ def test_pipeline_trainer_defaults_match_the_command_line():
     from raytrain_mp.pipeline.trainer import PipelineTrainer
 
     signature = inspect.signature(PipelineTrainer)
-    for argument, option in [("weight_decay", "weight_decay"), ("momentum", "momentum"), ("schedule", "schedule"),
-                             ("num_microbatches", "microbatches"), ("cpus_per_stage", "cpus_per_stage"),
-                             ("placement_strategy", "placement")]:  # fmt: skip
+    for argument, option in [
+        ("weight_decay", "weight_decay"),
+        ("momentum", "momentum"),
+        ("schedule", "schedule"),
+        ("num_microbatches", "microbatches"),
+        ("cpus_per_stage", "cpus_per_stage"),
+        ("placement_strategy", "placement"),
+    ]:
         assert signature.parameters[argument].default == PipelineConfig.__dataclass_fields__[option].default, argument
 
 
@@ -104,8 +120,18 @@ def test_pipeline_trainer_defaults_match_the_command_line():
     "argv, dest, old, new",
     [
         (["pipeline", "--batch-size", "32"], "global_batch_size", "--batch-size", "--global-batch-size"),
-        (["bench", "pipeline", "--out", "o", "--batch-size", "8"], "global_batch_size", "--batch-size", "--global-batch-size"),
-        (["bench", "ddp", "--out", "o", "--batch-size", "4"], "batch_size_per_worker", "--batch-size", "--batch-size-per-worker"),
+        (
+            ["bench", "pipeline", "--out", "o", "--batch-size", "8"],
+            "global_batch_size",
+            "--batch-size",
+            "--global-batch-size",
+        ),
+        (
+            ["bench", "ddp", "--out", "o", "--batch-size", "4"],
+            "batch_size_per_worker",
+            "--batch-size",
+            "--batch-size-per-worker",
+        ),
         (["bench", "ddp", "--out", "o", "--workers", "1,2"], "num_workers", "--workers", "--num-workers"),
         (["bench", "ddp", "--out", "o", "--threads", "2"], "cpus_per_worker", "--threads", "--cpus-per-worker"),
     ],
@@ -132,10 +158,20 @@ def test_retired_yaml_keys_work_with_one_warning(tmp_path, capsys):
 
 def test_help_groups_options_and_writes_defaults_as_typed():
     text = subprocess.run(["raytrain-mp", "bench", "ddp", "--help"], capture_output=True, text=True, check=True).stdout
-    for group in ("model options:", "optimization options:", "distribution options:", "benchmark options:", "output options:"):
+    for group in (
+        "model options:",
+        "optimization options:",
+        "distribution options:",
+        "benchmark options:",
+        "output options:",
+    ):
         assert group in text
     flat = " ".join(text.split())
-    assert "(default: 1,2)" in flat and "(default: --no-sync-bn)" in flat and "--out OUT folder for results.json and the plot (required)" in flat
+    assert (
+        "(default: 1,2)" in flat
+        and "(default: --no-sync-bn)" in flat
+        and "--out OUT folder for results.json and the plot (required)" in flat
+    )
     assert "(1, 2)" not in flat and "(default: False)" not in flat and "(default: )" not in flat
 
 

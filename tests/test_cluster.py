@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 
-
 @pytest.fixture
 def stale_ray_tmpdir():
     """A Ray temp dir whose ``ray_current_cluster`` names a head that is gone (short: socket paths)."""
@@ -65,7 +64,9 @@ def test_pipeline_trainer_starts_a_local_ray_despite_a_stale_cluster_file(stale_
         "with PipelineTrainer(model, 2, num_microbatches=2, use_gpu=False) as trainer:\n"
         "    print(round(trainer.train_step(torch.ones(4, 4), torch.zeros(4, dtype=torch.long)), 6) > 0)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], env=user_env(stale_ray_tmpdir), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=user_env(stale_ray_tmpdir), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "True"
 
@@ -74,13 +75,21 @@ def test_an_address_nobody_answers_at_is_one_line(digits_dir, tmp_path):
     """A subprocess, as a user runs it: in this session's process Ray is often connected already."""
     port = closed_port()
     for address, fragments in [
-        (f"127.0.0.1:{port}", ["raytrain-mp: error: --address: no Ray cluster answers at ", f":{port} (Connection refused); accepted: HOST:PORT"]),
+        (
+            f"127.0.0.1:{port}",
+            [
+                "raytrain-mp: error: --address: no Ray cluster answers at ",
+                f":{port} (Connection refused); accepted: HOST:PORT",
+            ],
+        ),
         ("head-node", ["raytrain-mp: error: --address: head-node: ", "accepted: HOST:PORT"]),
     ]:
         done = subprocess.run(
             ["raytrain-mp", "ddp", "--data", digits_dir, "--address", address, "--storage-path", str(tmp_path)],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, done.stderr
         assert all(fragment in lines[0] for fragment in fragments), lines[0]
@@ -127,7 +136,9 @@ def test_the_autoscale_wait_comes_from_its_variable():
     assert autoscale_wait_s({"RAYTRAIN_MP_AUTOSCALE_WAIT_S": "2.5"}) == 2.5
     assert autoscale_wait_s({"RAYTRAIN_MP_AUTOSCALE_WAIT_S": "0"}) == 0
     for bad in ("-1", "soon", "inf", "nan"):
-        with pytest.raises(UsageError, match=r"^RAYTRAIN_MP_AUTOSCALE_WAIT_S: .* accepted: a number >= 0 \(0: no wait\)$"):
+        with pytest.raises(
+            UsageError, match=r"^RAYTRAIN_MP_AUTOSCALE_WAIT_S: .* accepted: a number >= 0 \(0: no wait\)$"
+        ):
             autoscale_wait_s({"RAYTRAIN_MP_AUTOSCALE_WAIT_S": bad})
 
 
@@ -142,7 +153,8 @@ def test_the_waiting_line_names_what_is_missing():
         "RAYTRAIN_MP_AUTOSCALE_WAIT_S sets the wait)"
     )
     assert waiting_line("--num-workers 4", need, {"CPU": 2.0, "GPU": 3.0}, 1.5).startswith(
-        "waiting up to 1.5 s for the Ray autoscaler to add 2 CPUs and 1 GPU for --num-workers 4 (the cluster has 2 CPUs and 3 GPUs;"
+        "waiting up to 1.5 s for the Ray autoscaler to add 2 CPUs and 1 GPU for --num-workers 4 (the cluster has 2 "
+        "CPUs and 3 GPUs;"
     )
 
 
@@ -153,7 +165,10 @@ def test_misfit_is_the_usage_error_line():
     assert misfit("--num-workers", 4, 1, 1, 8, 0) == (
         "--num-workers 4 needs 4 GPUs but the Ray cluster has 0; accepted: at most 0 with --use-gpu, or --no-use-gpu"
     )
-    assert misfit("--num-workers", 4, 2, 0, 6, 0) == "--num-workers 4 needs 8 CPUs but the Ray cluster has 6; accepted: at most 3"
+    assert (
+        misfit("--num-workers", 4, 2, 0, 6, 0)
+        == "--num-workers 4 needs 8 CPUs but the Ray cluster has 6; accepted: at most 3"
+    )
 
 
 def test_the_automatic_choice_checks_the_gpu_only_when_it_would_use_it():
@@ -168,22 +183,37 @@ def test_the_automatic_choice_checks_the_gpu_only_when_it_would_use_it():
 
         return check_gpu
 
-    usable, unusable, busy = answers((True, "")), answers((False, "RuntimeError: no driver")), answers((None, "no GPU was free"))
-    assert automatic_choice(0, 2, "workers", False, unusable) == (False, None)  # a local Ray without GPUs: nothing to say
+    usable, unusable, busy = (
+        answers((True, "")),
+        answers((False, "RuntimeError: no driver")),
+        answers((None, "no GPU was free")),
+    )
+    assert automatic_choice(0, 2, "workers", False, unusable) == (
+        False,
+        None,
+    )  # a local Ray without GPUs: nothing to say
     assert automatic_choice(0, 2, "workers", True, unusable) == (
-        False, "note: the Ray cluster has no GPU up; training on CPUs (--use-gpu waits for an autoscaler to add GPU nodes)"
+        False,
+        "note: the Ray cluster has no GPU up; training on CPUs (--use-gpu waits for an autoscaler to add GPU nodes)",
     )
     assert automatic_choice(1, 2, "workers", True, unusable) == (
-        False, "note: 2 workers need 2 GPUs (one each) and the Ray cluster has 1; training on CPUs"
+        False,
+        "note: 2 workers need 2 GPUs (one each) and the Ray cluster has 1; training on CPUs",
     )
     assert asked == []
     assert automatic_choice(2, 2, "workers", False, usable) == (True, None)
     assert automatic_choice(1, 1, "workers", False, unusable) == (
-        False, "note: the Ray cluster advertises 1 GPU but torch cannot use it (RuntimeError: no driver); training on CPUs"
+        False,
+        "note: the Ray cluster advertises 1 GPU but torch cannot use it (RuntimeError: no driver); training on CPUs",
     )
-    assert automatic_choice(4, 2, "stage actors", True, unusable)[1].startswith("note: the Ray cluster advertises 4 GPUs but torch cannot use them (")
+    assert automatic_choice(4, 2, "stage actors", True, unusable)[1].startswith(
+        "note: the Ray cluster advertises 4 GPUs but torch cannot use them ("
+    )
     # no GPU free for the check in time: busy GPUs, most often; the run waits for them as any GPU run does
-    assert automatic_choice(2, 2, "workers", True, busy) == (True, "note: could not check the Ray cluster's GPUs (no GPU was free); training on GPUs")
+    assert automatic_choice(2, 2, "workers", True, busy) == (
+        True,
+        "note: could not check the Ray cluster's GPUs (no GPU was free); training on GPUs",
+    )
     assert len(asked) == 4
 
 
@@ -198,7 +228,10 @@ def test_the_automatic_choice_trains_on_cpus_when_torch_cannot_use_the_advertise
 
     gpus = ray_session.cluster_resources().get("GPU", 0)
     if gpus < 1:
-        pytest.skip("the session's Ray advertises no GPU, and the check runs only for one it advertises; RAYTRAIN_MP_TEST_RAY_GPUS=1 fakes one")
+        pytest.skip(
+            "the session's Ray advertises no GPU, and the check runs only for one it advertises; "
+            "RAYTRAIN_MP_TEST_RAY_GPUS=1 fakes one"
+        )
     if torch.cuda.is_available():
         pytest.skip("torch can use this machine's GPUs: the fake needs an advertised GPU that torch cannot use")
     assert not joined_cluster()  # the session started its Ray
@@ -207,7 +240,9 @@ def test_the_automatic_choice_trains_on_cpus_when_torch_cannot_use_the_advertise
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
     assert len(notes) == 1, notes
     it = "1 GPU but torch cannot use it" if gpus == 1 else f"{gpus:g} GPUs but torch cannot use them"
-    assert notes[0].startswith(f"note: the Ray cluster advertises {it} (") and notes[0].endswith("); training on CPUs"), notes
+    assert notes[0].startswith(f"note: the Ray cluster advertises {it} (") and notes[0].endswith(
+        "); training on CPUs"
+    ), notes
     assert resolve_use_gpu(True, 1, "workers") is True  # --use-gpu is the user's: not checked
 
 
@@ -239,16 +274,21 @@ def test_a_request_that_does_not_fit_yet_waits_for_the_autoscaler(head_without_g
 
     env = {**driver_env(), "RAYTRAIN_MP_AUTOSCALE_WAIT_S": "120"}
     driver = subprocess.Popen(
-        [sys.executable, "-c", WAITING_DRIVER, head_without_gpus.address, "1"], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", WAITING_DRIVER, head_without_gpus.address, "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         seen = []
         while not seen or not seen[-1].startswith("waiting up to"):
             line = driver.stderr.readline()
             assert line, ("the driver ended before waiting", seen, driver.stdout.read())
             seen.append(line.rstrip("\n"))
-        assert seen[-1].startswith("waiting up to 120 s for the Ray autoscaler to add 1 GPU for --num-workers 1 (the cluster has 0;"), seen
+        assert seen[-1].startswith(
+            "waiting up to 120 s for the Ray autoscaler to add 1 GPU for --num-workers 1 (the cluster has 0;"
+        ), seen
         head_without_gpus.add_worker_node(gpus=1)  # what an autoscaler would do
         out, err = driver.communicate(timeout=120)
     finally:
@@ -270,8 +310,12 @@ def test_a_request_the_autoscaler_does_not_meet_in_time_is_refused(head_without_
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 2, done.stderr[-3000:]
     # 0 GPUs, or 1 after the other test's node: never the 4 asked for
-    assert re.fullmatch(r"waiting up to 1 s for the Ray autoscaler to add [34] GPUs for --num-workers 4 \(the cluster has [01]; .*\)", lines[0]), lines
     assert re.fullmatch(
-        r"raytrain-mp: error: --num-workers 4 needs 4 GPUs but the Ray cluster has [01]; accepted: at most [01] with --use-gpu, or --no-use-gpu",
+        r"waiting up to 1 s for the Ray autoscaler to add [34] GPUs for --num-workers 4 \(the cluster has [01]; .*\)",
+        lines[0],
+    ), lines
+    assert re.fullmatch(
+        r"raytrain-mp: error: --num-workers 4 needs 4 GPUs but the Ray cluster has [01]; accepted: at most [01] with "
+        r"--use-gpu, or --no-use-gpu",
         lines[1],
     ), lines

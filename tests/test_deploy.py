@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import auth_mode_after_probe
 from raytrain_mp.cluster import free_port
+
+from helpers import auth_mode_after_probe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,10 +58,10 @@ def submitted_jobs() -> list[tuple[str, list[str]]]:
 def one_node_demand(script: str, args: list[str]) -> tuple[float, float]:
     """(CPUs, GPUs) a README job needs on a single node: the pipeline keeps its stages on one node
     (STRICT_PACK); DDP's workers are asked to fit on one box too, the README's one-box promise."""
+    from raytrain_mp.cli import build_parser
     from raytrain_mp.config import build_config
     from raytrain_mp.ddp.config import DDPConfig
     from raytrain_mp.pipeline.config import PipelineConfig
-    from raytrain_mp.cli import build_parser
 
     command = {"jobs/ddp_resnet.py": "ddp", "jobs/pipeline_resnet.py": "pipeline"}[script]
     given = vars(build_parser().parse_args([command, *args]))
@@ -101,7 +102,9 @@ def test_readme_jobs_can_be_placed_on_the_cluster_node_types():
     old["available_node_types"]["gpu_worker"]["node_config"]["InstanceType"] = "g5.2xlarge"
     old["available_node_types"]["gpu_worker"]["resources"] = {"CPU": 8, "GPU": AWS_GPUS["g5.2xlarge"]}
     problems = unplaceable_jobs(old)
-    assert any(p.startswith("jobs/pipeline_resnet.py --stages 2 --use-gpu") and "2 GPUs on one node" in p for p in problems), problems
+    assert any(
+        p.startswith("jobs/pipeline_resnet.py --stages 2 --use-gpu") and "2 GPUs on one node" in p for p in problems
+    ), problems
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +117,23 @@ def head_node(tmp_path_factory):
     dashboard = free_port()
     temp_dir = Path(f"/tmp/rtmp-{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
     # Every port free and explicit: a default one (the agent's 52365, say) may be held by another Ray here.
-    ports = [f"--{name}={free_port()}" for name in (
-        "port", "ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-        "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port",
-    )]  # fmt: skip
+    ports = [
+        f"--{name}={free_port()}"
+        for name in (
+            "port",
+            "ray-client-server-port",
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+            "node-manager-port",
+            "object-manager-port",
+        )
+    ]
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard}", "--num-cpus=2", "--num-gpus=0", "--include-dashboard=true", f"--temp-dir={temp_dir}", *ports],
+         f"--dashboard-port={dashboard}", "--num-cpus=2", "--num-gpus=0", "--include-dashboard=true",
+         f"--temp-dir={temp_dir}", *ports],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     address = f"http://127.0.0.1:{dashboard}"
@@ -155,7 +168,9 @@ def submit(env: dict, address: str, *job_args: str) -> tuple[str, str]:
     deadline = time.time() + 600
     status = ""
     while time.time() < deadline:
-        out = subprocess.run(["ray", "job", "status", "--address", address, job_id], env=env, capture_output=True, text=True)
+        out = subprocess.run(
+            ["ray", "job", "status", "--address", address, job_id], env=env, capture_output=True, text=True
+        )
         found = re.search(rf"Job '{job_id}' (succeeded|failed|stopped)", out.stdout + out.stderr)
         status = found.group(1).upper() if found else ""
         if status:
@@ -170,8 +185,8 @@ def test_job_submit_trains_and_checkpoints(head_node, tmp_path):
     env, address, _ = head_node
     runs = tmp_path / "runs"
     status, logs = submit(
-        env, address, "jobs/ddp_resnet.py", "--no-use-gpu", "--num-workers", "2", "--epochs", "1", "--global-batch-size", "256",
-        "--base-lr", "0.1", "--storage-path", str(runs), "--name", "job", "--json",
+        env, address, "jobs/ddp_resnet.py", "--no-use-gpu", "--num-workers", "2", "--epochs", "1",
+        "--global-batch-size", "256", "--base-lr", "0.1", "--storage-path", str(runs), "--name", "job", "--json",
     )  # fmt: skip
     assert status == "SUCCEEDED", logs[-3000:]
     assert "epoch 1/1" in logs
@@ -183,7 +198,10 @@ def test_job_submit_bad_argument_fails_with_one_line(head_node):
     env, address, _ = head_node
     status, logs = submit(env, address, "jobs/ddp_resnet.py", "--num-workers", "2", "--global-batch-size", "63")
     assert status == "FAILED"
-    assert "raytrain-mp: error: --global-batch-size: 63 is not divisible by --num-workers 2; accepted: a multiple of 2" in logs
+    assert (
+        "raytrain-mp: error: --global-batch-size: 63 is not divisible by --num-workers 2; accepted: a multiple of 2"
+        in logs
+    )
 
 
 @pytest.mark.slow
@@ -199,8 +217,9 @@ def test_joining_a_token_cluster_uses_the_token_without_ray_auth_mode(head_node,
     env, _, gcs_port = head_node
     env = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
     done = subprocess.run(
-        ["raytrain-mp", "ddp", "--no-use-gpu", "--address", f"127.0.0.1:{gcs_port}", "--data", digits_dir, "--num-workers", "1",
-         "--global-batch-size", "128", "--epochs", "1", "--storage-path", str(tmp_path), "--json"],
+        ["raytrain-mp", "ddp", "--no-use-gpu", "--address", f"127.0.0.1:{gcs_port}", "--data", digits_dir,
+         "--num-workers", "1", "--global-batch-size", "128", "--epochs", "1", "--storage-path", str(tmp_path),
+         "--json"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -43,8 +43,21 @@ class Run:
 
     def __init__(self, address: str, storage: Path, name: str, *extra: str) -> None:
         self.run_dir = storage / name
-        cmd = ["raytrain-mp", "ddp", "--address", address, "--storage-path", str(storage), "--name", name, *ARGS, *extra]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=driver_env())
+        cmd = [
+            "raytrain-mp",
+            "ddp",
+            "--address",
+            address,
+            "--storage-path",
+            str(storage),
+            "--name",
+            name,
+            *ARGS,
+            *extra,
+        ]
+        self.process = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=driver_env()
+        )
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -93,26 +106,34 @@ def elastic_runs(tmp_path_factory):
         shrink.wait_for(lambda: shrink.checkpointed("checkpoint_000001_step_000002"), "step checkpoint 2")
         cluster.remove_worker_node(0)
         lost = time.monotonic()
-        again = shrink.wait_for(lambda: shrink.line_time("1 worker on 1 node from step 2"), "a restart at W=1", timeout=400)
+        again = shrink.wait_for(
+            lambda: shrink.line_time("1 worker on 1 node from step 2"), "a restart at W=1", timeout=400
+        )
         go.touch()
         shrink_result = shrink.finish()
 
         go = storage / "grow-go"
-        grow = Run(cluster.address, storage, "grow", *data, "--num-workers", "1-2", "--max-failures", "1", "--resize-interval", "1",
-                   "--hold-at-step", f"2:{go}")  # fmt: skip
+        grow = Run(cluster.address, storage, "grow", *data, "--num-workers", "1-2", "--max-failures", "1",
+                   "--resize-interval", "1", "--hold-at-step", f"2:{go}")  # fmt: skip
         grow.wait_for(lambda: grow.checkpointed("checkpoint_000001_step_000002"), "step checkpoint 2")
         cluster.add_worker_node()
         joined = time.monotonic()
-        grown = grow.wait_for(lambda: grow.line_time("2 workers on 2 nodes from step 2"), "a restart at W=2", timeout=400)
+        grown = grow.wait_for(
+            lambda: grow.line_time("2 workers on 2 nodes from step 2"), "a restart at W=2", timeout=400
+        )
         go.touch()
         grow_result = grow.finish()
     finally:
         cluster.shutdown()
     print(f"node lost -> training again: {again - lost:.1f} s; node joined -> training at W=2: {grown - joined:.1f} s")
     return {
-        "shrink": shrink_result, "shrink_out": shrink.out, "grow": grow_result, "grow_out": grow.out,
-        "shrink_seconds": again - lost, "grow_seconds": grown - joined,
-    }  # fmt: skip
+        "shrink": shrink_result,
+        "shrink_out": shrink.out,
+        "grow": grow_result,
+        "grow_out": grow.out,
+        "shrink_seconds": again - lost,
+        "grow_seconds": grown - joined,
+    }
 
 
 def test_shrink_after_losing_a_node_continues_at_one_worker(elastic_runs):

@@ -14,7 +14,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from raytrain_mp.checkpointing import checkpoint_name, checkpoint_order, checkpoint_state, publish_checkpoint, read_checkpoint, resumed_at
+from raytrain_mp.checkpointing import (
+    checkpoint_name,
+    checkpoint_order,
+    checkpoint_state,
+    publish_checkpoint,
+    read_checkpoint,
+    resumed_at,
+)
 from raytrain_mp.config import FaultSpec
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.epochs import build_run_model, checkpoint_due, due_by_steps, epoch_line, run_dtype
@@ -30,7 +37,9 @@ def config(epochs: int, every: int, every_steps: int | None) -> SimpleNamespace:
     return SimpleNamespace(epochs=epochs, checkpoint_every=every, checkpoint_every_steps=every_steps)
 
 
-GRID = list(itertools.product(range(1, 5), range(1, 6), range(1, 4), [None, 0, 1, 2, 3, 4, 7]))  # epochs, steps/epoch, every, every_steps
+GRID = list(
+    itertools.product(range(1, 5), range(1, 6), range(1, 4), [None, 0, 1, 2, 3, 4, 7])
+)  # epochs, steps/epoch, every, every_steps
 
 
 def ddp_checkpoints(cfg, steps_per_epoch: int, start: tuple[int, int] = (0, 0)) -> list[str]:
@@ -38,8 +47,11 @@ def ddp_checkpoints(cfg, steps_per_epoch: int, start: tuple[int, int] = (0, 0)) 
     names = []
     for epoch in range(start[0], cfg.epochs):
         first = start[1] if epoch == start[0] else 0
-        names += [checkpoint_name(epoch + 1, step + 1) for step in range(first, steps_per_epoch)
-                  if step + 1 < steps_per_epoch and checkpoint_due(cfg, epoch, step + 1, steps_per_epoch)]  # fmt: skip
+        names += [
+            checkpoint_name(epoch + 1, step + 1)
+            for step in range(first, steps_per_epoch)
+            if step + 1 < steps_per_epoch and checkpoint_due(cfg, epoch, step + 1, steps_per_epoch)
+        ]
         names += [checkpoint_name(epoch + 1)] if checkpoint_due(cfg, epoch, steps_per_epoch, steps_per_epoch) else []
     return names
 
@@ -92,7 +104,7 @@ def test_both_loops_write_the_same_checkpoints_also_from_a_resumed_position():
             ddp = ddp_checkpoints(cfg, steps_per_epoch, start)
             assert ddp == pipeline_checkpoints(cfg, steps_per_epoch, start), (cfg, steps_per_epoch, start)
             # A resumed run writes what the uninterrupted one writes after its position.
-            assert ddp == whole[len(whole) - len(ddp):], (cfg, steps_per_epoch, start)
+            assert ddp == whole[len(whole) - len(ddp) :], (cfg, steps_per_epoch, start)
 
 
 def test_checkpoints_of_a_run_by_steps_and_epochs():
@@ -105,11 +117,21 @@ def test_checkpoints_of_a_run_by_steps_and_epochs():
     ]
 
 
-METRICS = {"epoch": 2, "train_loss": 1.234567, "val_loss": 0.5, "val_accuracy": 0.87654, "samples_per_second": 1234.56, "lr": 0.0123456}
+METRICS = {
+    "epoch": 2,
+    "train_loss": 1.234567,
+    "val_loss": 0.5,
+    "val_accuracy": 0.87654,
+    "samples_per_second": 1234.56,
+    "lr": 0.0123456,
+}
 
 
 def test_epoch_line_of_ddp():
-    assert epoch_line(METRICS, 6) == "epoch 2/6 train_loss 1.2346 val_loss 0.5000 val_accuracy 0.8765 samples/s 1234.6 lr 0.01235"
+    assert (
+        epoch_line(METRICS, 6)
+        == "epoch 2/6 train_loss 1.2346 val_loss 0.5000 val_accuracy 0.8765 samples/s 1234.6 lr 0.01235"
+    )
 
 
 def test_epoch_line_takes_the_pipeline_bubble_before_the_lr():
@@ -130,9 +152,17 @@ def test_schedule_for_a_config_is_make_schedule_of_its_options(cls, changes):
     cfg = cls(**changes)
     for steps_per_epoch in (1, 3, 10):
         expected = make_schedule(
-            cfg.base_lr, cfg.global_batch_size, cfg.base_batch, cfg.lr_rule, cfg.warmup_epochs,
-            cfg.epochs, steps_per_epoch, cfg.lr_decay, cfg.step_epochs, cfg.gamma,
-        )  # fmt: skip
+            cfg.base_lr,
+            cfg.global_batch_size,
+            cfg.base_batch,
+            cfg.lr_rule,
+            cfg.warmup_epochs,
+            cfg.epochs,
+            steps_per_epoch,
+            cfg.lr_decay,
+            cfg.step_epochs,
+            cfg.gamma,
+        )
         assert schedule_for(cfg, steps_per_epoch) == expected
 
 
@@ -195,7 +225,9 @@ def test_publish_checkpoint_publishes_the_log_first_and_keeps_the_newest(tmp_pat
     log = Log(run)
     names = [checkpoint_name(1, 2), checkpoint_name(1), checkpoint_name(2, 2)]
     for i, name in enumerate(names):
-        target = publish_checkpoint(run, name, ({"w": torch.tensor([float(i)])}, {"step": i}, "epochs: 2\n"), log, num_to_keep=2)
+        target = publish_checkpoint(
+            run, name, ({"w": torch.tensor([float(i)])}, {"step": i}, "epochs: 2\n"), log, num_to_keep=2
+        )
         assert target.uri == run.child(name).uri
     assert log.published == [[], [names[0]], names[:2]]  # each time before the new checkpoint is there
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == sorted(names[1:])  # nothing else: no temporary left
@@ -204,12 +236,20 @@ def test_publish_checkpoint_publishes_the_log_first_and_keeps_the_newest(tmp_pat
     assert (tmp_path / "run" / names[2] / "config.yaml").read_text() == "epochs: 2\n"
 
 
-@pytest.mark.parametrize("precision, dtype", [("fp64", torch.float64), ("fp32", torch.float32), ("bf16", torch.float32)])
+@pytest.mark.parametrize(
+    "precision, dtype", [("fp64", torch.float64), ("fp32", torch.float32), ("bf16", torch.float32)]
+)
 def test_the_run_model_is_the_seeded_model_in_the_run_dtype(precision, dtype):
-    cfg, meta = DDPConfig(model="resnet18", precision=precision), SimpleNamespace(num_classes=10, channels=1, image_size=8)
+    cfg, meta = (
+        DDPConfig(model="resnet18", precision=precision),
+        SimpleNamespace(num_classes=10, channels=1, image_size=8),
+    )
     torch.manual_seed(0)
     model = build_run_model(cfg, meta)
     torch.manual_seed(0)
     plain = build_model("resnet18", 10, 1, None, None, image_size=8)
     assert {p.dtype for p in model.state_dict().values() if p.is_floating_point()} == {dtype}
-    assert all(torch.equal(a.to(torch.float64), b.to(dtype).to(torch.float64)) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
+    assert all(
+        torch.equal(a.to(torch.float64), b.to(dtype).to(torch.float64))
+        for a, b in zip(model.state_dict().values(), plain.state_dict().values())
+    )

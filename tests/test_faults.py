@@ -53,6 +53,11 @@ def test_the_reasons_ray_writes_for_a_lost_node_an_owner_an_exit_code_and_an_unk
     headline = "The actor died unexpectedly before finishing this task.\n\tclass_name: StageWorker\n\tactor_id: 3ce7\n"
     assert actor_death(headline + "The actor died because its node has died. Node Id: 5f35") == "node lost"
     assert actor_death(headline + "The actor is dead because its owner has died. Owner Id: 01") == "its owner died"
-    sigterm = "its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker exits unexpectedly. "
-    assert actor_death(headline + sigterm + "Worker exits with an exit code 1. The process receives a SIGTERM.") == "exit code 1 (SIGTERM)"
+    sigterm = (
+        "its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker exits unexpectedly. "
+    )
+    assert (
+        actor_death(headline + sigterm + "Worker exits with an exit code 1. The process receives a SIGTERM.")
+        == "exit code 1 (SIGTERM)"
+    )
     assert actor_death("Something new.\nmore") == "Something new."

@@ -57,7 +57,9 @@ def test_the_session_ray_advertises_the_gpus_it_is_given(ray_session) -> None:
 
 @pytest.mark.slow  # a child pytest session with its own Ray; with 1 GPU also a pipeline and a Ray Train fit
 @pytest.mark.skipif(bool(os.environ.get("RAYTRAIN_MP_TEST_RAY_GPUS")), reason="already inside the fake-GPU session")
-@pytest.mark.parametrize(("gpus", "tests"), [(1, ON_A_FAKE_GPU_CLUSTER), (4, COUNTED_FROM_THE_SESSION)], ids=["1-gpu", "4-gpus"])
+@pytest.mark.parametrize(
+    ("gpus", "tests"), [(1, ON_A_FAKE_GPU_CLUSTER), (4, COUNTED_FROM_THE_SESSION)], ids=["1-gpu", "4-gpus"]
+)
 def test_cpu_tests_pick_the_cpu_on_a_cluster_that_advertises_a_gpu(tmp_path, gpus: int, tests: list[str]) -> None:
     import torch
 
@@ -67,7 +69,8 @@ def test_cpu_tests_pick_the_cpu_on_a_cluster_that_advertises_a_gpu(tmp_path, gpu
     env["RAYTRAIN_MP_TEST_RAY_GPUS"] = str(gpus)
     # one pytest worker (-n 0): a handful of tests need one Ray and one collection, not the suite's two
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t"), *tests],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider",
+         "--basetemp", str(tmp_path / "t"), *tests],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     out = done.stdout + done.stderr
@@ -75,7 +78,9 @@ def test_cpu_tests_pick_the_cpu_on_a_cluster_that_advertises_a_gpu(tmp_path, gpu
     # every CPU test passed (parametrized ones count each case) and the GPU test skipped, saying why
     passed = int(re.search(r"(\d+) passed", out).group(1))
     assert passed >= len(tests) - 1 and not re.search(r"\d+ failed", out), out[-3000:]
-    assert re.search(r"SKIPPED \[1\] tests/ddp/test_sync_batchnorm\.py:\d+: needs 1 CUDA GPU\(s\); this machine has 0", out), out[-3000:]
+    assert re.search(
+        r"SKIPPED \[1\] tests/ddp/test_sync_batchnorm\.py:\d+: needs 1 CUDA GPU\(s\); this machine has 0", out
+    ), out[-3000:]
     assert "1 skipped" in out
 
 
@@ -101,13 +106,22 @@ def test_gpu_check_reports_what_it_ran_and_what_it_skipped(tmp_path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA GPUs: the GPU check runs for real there (minutes)")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", str(tmp_path / "out")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert (report["cuda_gpus"], report["passed"]) == (0, True)
     steps = {step["name"]: step for step in report["steps"]}
     assert (steps["tests"]["status"], steps["tests"]["returncode"]) == ("passed", 0)
-    assert re.search(r"\d+ skipped", (tmp_path / "out" / "tests.log").read_text())  # the gpu tests, each with its reason
+    assert re.search(
+        r"\d+ skipped", (tmp_path / "out" / "tests.log").read_text()
+    )  # the gpu tests, each with its reason
     for name in ("ray_head", "bench_ddp"):
         assert (steps[name]["status"], steps[name]["reason"]) == ("skipped", "no CUDA GPU"), name
     assert steps["bench_pipeline"]["reason"] == "2 stages need 2 GPUs (one each); this machine has 0"

@@ -28,15 +28,29 @@ import uuid
 import pyarrow.fs as pafs
 import pytest
 
-from run_log_check import checked_run_log
 from raytrain_mp.progress import ERASE_LINE
 from raytrain_mp.storage import locate, name_of
+
+from run_log_check import checked_run_log
 
 pytestmark = pytest.mark.slow  # two runs of a command each, with their own local Ray
 
 STEPS = 22  # digits: 1437 training samples in batches of 64
-COMMON = ["--epochs", "1", "--global-batch-size", "64", "--log-every", "2", "--checkpoint-every-steps", "2", "--no-use-gpu"]
-LINE = re.compile(r"raytrain-mp: interrupted at epoch 1 step (\d+); the last checkpoint is (\S+); rerun the same command with --name (\S+) to continue")
+COMMON = [
+    "--epochs",
+    "1",
+    "--global-batch-size",
+    "64",
+    "--log-every",
+    "2",
+    "--checkpoint-every-steps",
+    "2",
+    "--no-use-gpu",
+]
+LINE = re.compile(
+    r"raytrain-mp: interrupted at epoch 1 step (\d+); the last checkpoint is (\S+); rerun the same command with --name "
+    r"(\S+) to continue"
+)
 
 
 def command_env(tmp_path, marker: str) -> dict[str, str]:
@@ -75,21 +89,34 @@ def rerun_continues(argv: list[str], env: dict[str, str], checkpoint: str, resum
     step once; piped, its output has no carriage return or escape character. ``resumed``: the
     start of the line that says where it resumed; None: run it with ``--quiet``, which prints only
     the JSON line (the run log's event files then say where it resumed)."""
-    env = {**env, "RAYTRAIN_MP_TEST_MARKER": uuid.uuid4().hex}  # its own: the first run's processes are looked for after it
-    done = subprocess.run(argv + ["--json"] + ([] if resumed else ["--quiet"]), env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **env,
+        "RAYTRAIN_MP_TEST_MARKER": uuid.uuid4().hex,
+    }  # its own: the first run's processes are looked for after it
+    done = subprocess.run(
+        argv + ["--json"] + ([] if resumed else ["--quiet"]), env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     assert "\r" not in done.stdout + done.stderr and "\x1b" not in done.stdout + done.stderr
     if resumed:
-        assert f"{resumed} " in done.stdout and name_of(checkpoint) in done.stdout.split(resumed, 1)[1].split("\n", 1)[0]
+        assert (
+            f"{resumed} " in done.stdout and name_of(checkpoint) in done.stdout.split(resumed, 1)[1].split("\n", 1)[0]
+        )
     else:
         assert len(done.stdout.strip().splitlines()) == 1, done.stdout[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["epochs"] == 1
     checked_run_log(result["run"], steps=STEPS, epochs=1, steps_per_epoch=STEPS, log_every=2)
     run = locate(result["run"], "run")
-    attempts = sorted(info.base_name.rsplit(".from-", 1)[1] for info in run.fs.get_file_info(pafs.FileSelector(run.path))
-                      if info.base_name.startswith("events.out.tfevents."))  # fmt: skip
-    assert [int(start) for start in attempts] == [0, int(name_of(checkpoint).rsplit("_", 1)[1])]  # epoch 1: step = global step
+    attempts = sorted(
+        info.base_name.rsplit(".from-", 1)[1]
+        for info in run.fs.get_file_info(pafs.FileSelector(run.path))
+        if info.base_name.startswith("events.out.tfevents.")
+    )
+    assert [int(start) for start in attempts] == [
+        0,
+        int(name_of(checkpoint).rsplit("_", 1)[1]),
+    ]  # epoch 1: step = global step
     return result
 
 
@@ -106,7 +133,10 @@ def test_ctrl_c_on_a_terminal_stops_a_ddp_run_whose_progress_line_rewrites_in_pl
         assert time.monotonic() < deadline, out[-2000:]
         if select.select([terminal], [], [], 1)[0]:
             out += os.read(terminal, 65536)
-    while not any("checkpoint_000001_step_000008" in f.read_text() for f in (tmp_path / "runs").glob("*/checkpoint_manager_snapshot.json")):
+    while not any(
+        "checkpoint_000001_step_000008" in f.read_text()
+        for f in (tmp_path / "runs").glob("*/checkpoint_manager_snapshot.json")
+    ):
         assert time.monotonic() < deadline, "Ray Train did not register step 8's checkpoint"
         time.sleep(0.2)
     os.write(terminal, b"\x03")  # the terminal's Ctrl-C: SIGINT to the foreground process group
@@ -125,7 +155,9 @@ def test_ctrl_c_on_a_terminal_stops_a_ddp_run_whose_progress_line_rewrites_in_pl
     draws = [i for i, part in enumerate(parts) if part.startswith("epoch 1/1 step ")]
     assert len(draws) >= 3 and [parts[i].split(" loss")[0] for i in draws][-1] == "epoch 1/1 step 8/22", text[-3000:]
     assert draws == list(range(draws[0], draws[-1] + 1)), "each draw replaces the one before, on the same line"
-    assert all(re.search(r" eta \d+:\d\d \(run \d+:\d\d\)" + re.escape(ERASE_LINE), parts[i]) for i in draws[1:])  # the last: then the echoed ^C
+    assert all(
+        re.search(r" eta \d+:\d\d \(run \d+:\d\d\)" + re.escape(ERASE_LINE), parts[i]) for i in draws[1:]
+    )  # the last: then the echoed ^C
     found = LINE.search(text)
     assert found and found.group(1) == "8" and name_of(found.group(2)) == "checkpoint_000001_step_000008", text[-2000:]
     rerun_continues([*argv, "--name", found.group(3)], env, found.group(2), "resumed from")
@@ -136,7 +168,9 @@ def interrupt_when(argv: list[str], env: dict[str, str], seen: str, signum: int)
     """Run ``argv`` and, once its output holds ``seen``, send it ``signum``: SIGINT to its process
     group, as a terminal's Ctrl-C; SIGTERM to the process, as ``kill`` does (the group would
     include the local Ray's own processes, which Ray shields from SIGINT only). (exit status, output)"""
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     out = []
     for line in process.stdout:
         out.append(line)
@@ -152,11 +186,23 @@ def interrupt_when(argv: list[str], env: dict[str, str], seen: str, signum: int)
     ("pipeline", "s3", signal.SIGTERM),
     ("ddp", "s3", signal.SIGINT),
 ])  # fmt: skip
-def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(tmp_path, digits_dir, request, command, storage, signum):
+def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(
+    tmp_path, digits_dir, request, command, storage, signum
+):
     marker = uuid.uuid4().hex
     env = command_env(tmp_path, marker)
     where = request.getfixturevalue("bucket") if storage == "s3" else str(tmp_path / "runs")
-    argv = ["raytrain-mp", command, "--data", digits_dir, "--storage-path", where, "--name", f"{command}-{storage}", *COMMON]
+    argv = [
+        "raytrain-mp",
+        command,
+        "--data",
+        digits_dir,
+        "--storage-path",
+        where,
+        "--name",
+        f"{command}-{storage}",
+        *COMMON,
+    ]
     if command == "ddp":
         argv += ["--num-workers", "1"]
     status, out = interrupt_when(argv, env, "epoch 1/1 step 4/22 ", signum)

@@ -18,7 +18,24 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "raytrain_mp"
 
-SHARED_MODULES = {"allocator", "checkpointing", "cluster", "config", "epochs", "errors", "faults", "interruption", "lr_schedule", "models", "niceness", "optim", "plots", "progress", "run_log", "storage"}
+SHARED_MODULES = {
+    "allocator",
+    "checkpointing",
+    "cluster",
+    "config",
+    "epochs",
+    "errors",
+    "faults",
+    "interruption",
+    "lr_schedule",
+    "models",
+    "niceness",
+    "optim",
+    "plots",
+    "progress",
+    "run_log",
+    "storage",
+}
 CAPABILITIES = {"ddp", "pipeline", "tune", "bench", "inference"}
 # What each unit may import besides itself. "shared" is the top-level shared modules.
 ALLOWED = {
@@ -113,7 +130,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         path.append(module)
         for target in sorted(graph.get(module, ())):
             if target in path:
-                cycles.append(path[path.index(target):] + [target])
+                cycles.append(path[path.index(target) :] + [target])
             elif target not in done:
                 visit(target)
         path.pop()
@@ -143,10 +160,18 @@ def test_no_module_imports_from_a_higher_layer():
     "module, source, expected",
     [
         ("raytrain_mp.models", "from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm", 1),
-        ("raytrain_mp.data.dataset", "def f():\n    from raytrain_mp.cluster import x\n    import raytrain_mp.pipeline.run", 1),
+        (
+            "raytrain_mp.data.dataset",
+            "def f():\n    from raytrain_mp.cluster import x\n    import raytrain_mp.pipeline.run",
+            1,
+        ),
         ("raytrain_mp.ddp.loop", "from raytrain_mp.pipeline import schedule", 2),
         ("raytrain_mp.pipeline.run", "from raytrain_mp import tune", 2),  # the facade and tune
-        ("raytrain_mp.tune.sweep", "from raytrain_mp.ddp.trainer import build_trainer\nfrom raytrain_mp.data import read_meta", 0),
+        (
+            "raytrain_mp.tune.sweep",
+            "from raytrain_mp.ddp.trainer import build_trainer\nfrom raytrain_mp.data import read_meta",
+            0,
+        ),
         ("raytrain_mp.config", "from raytrain_mp.cli import main", 1),
     ],
 )
@@ -163,7 +188,10 @@ def test_no_import_cycles_also_through_function_local_imports():
     "sources, expected",
     [
         ({"a": "from raytrain_mp.b import f", "b": "def g():\n    from raytrain_mp.a import h"}, [["a", "b", "a"]]),
-        ({"a": "import raytrain_mp.b", "b": "import raytrain_mp.c", "c": "from raytrain_mp.a import x"}, [["a", "b", "c", "a"]]),
+        (
+            {"a": "import raytrain_mp.b", "b": "import raytrain_mp.c", "c": "from raytrain_mp.a import x"},
+            [["a", "b", "c", "a"]],
+        ),
         ({"a": "import raytrain_mp.b\nimport raytrain_mp.c", "b": "import raytrain_mp.c", "c": ""}, []),
     ],
 )
@@ -181,7 +209,11 @@ def test_each_package_says_its_job_and_what_it_may_import(package):
 
 
 def test_every_module_starts_with_a_docstring():
-    missing = [str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py")) if not ast.get_docstring(ast.parse(p.read_text()))]
+    missing = [
+        str(p.relative_to(PACKAGE))
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if not ast.get_docstring(ast.parse(p.read_text()))
+    ]
     assert missing == []
 
 

@@ -43,14 +43,18 @@ def test_a_torchvision_model_trains_on_32px_and_adapts_to_one_channel(name, firs
 
 def test_resnets_keep_the_small_stem_rule():
     auto = build_model("resnet18", 10, 1, None, image_size=32)
-    assert auto.conv1.kernel_size == (3, 3) and auto.conv1.in_channels == 1 and isinstance(auto.maxpool, torch.nn.Identity)
+    assert (
+        auto.conv1.kernel_size == (3, 3) and auto.conv1.in_channels == 1 and isinstance(auto.maxpool, torch.nn.Identity)
+    )
     large = build_model("resnet18", 10, 1, None, image_size=64)
     assert large.conv1.kernel_size == (7, 7) and large.conv1.in_channels == 1
     assert build_model("resnet18", 3, 3, True).conv1.stride == (1, 1)  # the positional form the tests use
     mobilenet = build_model("mobilenet_v3_small", 10, 3, None, image_size=32)  # auto: nothing to do
     assert mobilenet.features[0][0].stride == (2, 2)
     names = tv_models.list_models(module=tv_models)
-    assert sorted(RESNET_NAMES) == sorted(n for n in names if tv_models.get_model_builder(n).__module__ == "torchvision.models.resnet")
+    assert sorted(RESNET_NAMES) == sorted(
+        n for n in names if tv_models.get_model_builder(n).__module__ == "torchvision.models.resnet"
+    )
 
 
 def test_googlenet_returns_logits_in_training():
@@ -62,15 +66,18 @@ def test_googlenet_returns_logits_in_training():
 def user_module(tmp_path, monkeypatch):
     """``mymodels`` in a temporary working directory, importable only because the working
     directory is (the console script does not put it on sys.path)."""
-    (tmp_path / "mymodels.py").write_text(textwrap.dedent('''
+    (tmp_path / "mymodels.py").write_text(
+        textwrap.dedent("""
         from torch import nn
 
         def tiny_net(num_classes, in_channels, image_size):
             return nn.Sequential(nn.Conv2d(in_channels, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                                 nn.Conv2d(8, 8, 3, stride=image_size, padding=1), nn.Flatten(), nn.Linear(8, num_classes))
+                                 nn.Conv2d(8, 8, 3, stride=image_size, padding=1), nn.Flatten(),
+                                 nn.Linear(8, num_classes))
 
         def fixed16(num_classes, in_channels, image_size):  # takes 16 px only
-            return nn.Sequential(nn.Conv2d(in_channels, 8, 4, stride=4), nn.Flatten(), nn.Linear(8 * 4 * 4, num_classes))
+            return nn.Sequential(nn.Conv2d(in_channels, 8, 4, stride=4), nn.Flatten(),
+                                 nn.Linear(8 * 4 * 4, num_classes))
 
         def fails(num_classes, in_channels, image_size):
             raise ValueError("no GPU here")
@@ -79,7 +86,8 @@ def user_module(tmp_path, monkeypatch):
             return [1, 2]
 
         NOT_CALLABLE = 3
-    '''))
+    """)
+    )
     (tmp_path / "broken.py").write_text("import no_such_package_xyz\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
@@ -103,28 +111,38 @@ def test_a_user_callable_gets_the_data_and_its_model_is_used_as_it_is(user_modul
     [
         ("resnt18", 32, "--model: unknown model 'resnt18'; closest: resnet18, resnet152, resnet101; accepted: a "
                         "torchvision.models classifier (torchvision.models.list_models()) or package.module:callable"),
-        ("broken:net", 32, "--model: module 'broken' does not import (ModuleNotFoundError: No module named 'no_such_package_xyz')"),
-        ("nomodule:net", 32, "--model: module 'nomodule' does not import (ModuleNotFoundError: No module named 'nomodule')"),
+        ("broken:net", 32, "--model: module 'broken' does not import "
+                           "(ModuleNotFoundError: No module named 'no_such_package_xyz')"),
+        ("nomodule:net", 32, "--model: module 'nomodule' does not import "
+                             "(ModuleNotFoundError: No module named 'nomodule')"),
         ("mymodels:absent", 32, "--model: module 'mymodels' has no attribute 'absent'"),
         ("mymodels:NOT_CALLABLE", 32, "--model: mymodels:NOT_CALLABLE is not callable (an int)"),
-        ("mymodels:fails", 32, "--model: mymodels:fails(num_classes=10, in_channels=1, image_size=32) raised ValueError: no GPU here"),
+        ("mymodels:fails", 32, "--model: mymodels:fails(num_classes=10, in_channels=1, image_size=32) "
+                               "raised ValueError: no GPU here"),
         ("mymodels:not_a_module", 32,
-         "--model: mymodels:not_a_module(num_classes=10, in_channels=1, image_size=32) returned builtins.list, not a torch.nn.Module"),
+         "--model: mymodels:not_a_module(num_classes=10, in_channels=1, image_size=32) returned builtins.list, not a "
+         "torch.nn.Module"),
         ("mobilenet_v3_small", 32, None),
-        ("vit_b_16", 40, "--model: vit_b_16 cuts images into 16x16 patches, so the image size must be a multiple of 16; the "
-                         "data's 40 px is not: prepare the data with --image-size 48 (the smallest size that works is 16)"),
-        ("alexnet", 32, "--model: alexnet cannot take 32x32 images (RuntimeError: Given input size: (256x1x1). Calculated output "
-                        "size: (256x0x0). Output size is too small); the smallest size that works (of " + TRIED + " px tried) "
-                        "is 64: prepare the data with --image-size 64"),
-        ("mymodels:fixed16", 12, "--model: mymodels:fixed16 cannot take 12x12 images (RuntimeError: mat1 and mat2 shapes cannot "
-                                 "be multiplied (2x72 and 128x10)); the smallest size that works (of " + TRIED + " px tried) is 16: "
-                                  "prepare the data with --image-size 16"),
+        ("vit_b_16", 40, "--model: vit_b_16 cuts images into 16x16 patches, so the image size must be a multiple "
+                         "of 16; the data's 40 px is not: prepare the data with --image-size 48 (the smallest size "
+                         "that works is 16)"),
+        ("alexnet", 32, "--model: alexnet cannot take 32x32 images (RuntimeError: Given input size: (256x1x1). "
+                        "Calculated output size: (256x0x0). Output size is too small); the smallest size that works "
+                        "(of " + TRIED + " px tried) is 64: prepare the data with --image-size 64"),
+        ("mymodels:fixed16", 12, "--model: mymodels:fixed16 cannot take 12x12 images (RuntimeError: mat1 and mat2 "
+                                 "shapes cannot be multiplied (2x72 and 128x10)); the smallest size that works "
+                                 "(of " + TRIED + " px tried) is 16: prepare the data with --image-size 16"),
     ],
 )  # fmt: skip
 def test_every_bad_model_is_one_line(user_module, name, size, message):
     if message is None:  # explicit --small-stem on a model without the rule
-        name, message = name, (f"--small-stem: applies to torchvision ResNets ({', '.join(RESNET_NAMES)}); "
-                               f"mobilenet_v3_small has no such rule")  # fmt: skip
+        name, message = (
+            name,
+            (
+                f"--small-stem: applies to torchvision ResNets ({', '.join(RESNET_NAMES)}); "
+                f"mobilenet_v3_small has no such rule"
+            ),
+        )
         with pytest.raises(UsageError) as info:
             check_model(name, 10, 1, size, small_stem=True)
     else:
@@ -137,7 +155,8 @@ def test_every_bad_model_is_one_line(user_module, name, size, message):
     "name, message",
     [("my models:net", "--model: 'my models:net' is not of the form package.module:callable (e.g. mymodels:tiny_net)"),
      ("pkg.mod:", "--model: 'pkg.mod:' is not of the form package.module:callable (e.g. mymodels:tiny_net)"),
-     ("resnet-18", "--model: 'resnet-18' is neither a torchvision model name (e.g. resnet18) nor package.module:callable")],
+     ("resnet-18", "--model: 'resnet-18' is neither a torchvision model name (e.g. resnet18) "
+                   "nor package.module:callable")],
 )  # fmt: skip
 def test_a_malformed_name_fails_without_importing(name, message):
     with pytest.raises(UsageError) as info:

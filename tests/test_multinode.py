@@ -14,13 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.slow  # a simulated two-node cluster and DDP/pipeline runs on it
 import torch
 
 from raytrain_mp.models import build_model
+
 from helpers import auth_mode_after_probe
 from simulated_cluster import SimulatedCluster, driver_env
+
+pytestmark = pytest.mark.slow  # a simulated two-node cluster and DDP/pipeline runs on it
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,9 @@ def run(cmd: list[str]) -> tuple[dict, str]:
 @pytest.mark.parametrize(("placement", "nodes"), [("STRICT_PACK", 1), ("SPREAD", 2)])
 def test_pipeline_stages_follow_the_placement_strategy(two_nodes, digits_dir, tmp_path, placement, nodes):
     result, _ = run(command(
-        two_nodes, "pipeline", "--no-use-gpu", "--data", digits_dir, "--model", "resnet18", "--stages", "2", "--balance", "params",
-        "--global-batch-size", "256", "--epochs", "1", "--placement", placement, "--storage-path", str(tmp_path),
+        two_nodes, "pipeline", "--no-use-gpu", "--data", digits_dir, "--model", "resnet18", "--stages", "2",
+        "--balance", "params", "--global-batch-size", "256", "--epochs", "1", "--placement", placement,
+        "--storage-path", str(tmp_path),
     ))  # fmt: skip
     assert result["num_nodes"] == nodes
     assert len({stage["node_id"] for stage in result["stages"]}) == nodes
@@ -95,8 +97,8 @@ def test_pipeline_replicas_pack_their_stages_and_spread_over_the_nodes(two_nodes
     """--replicas 2 --stages 2 on 2 nodes of 2 CPUs: each replica's stages on one node (STRICT_PACK,
     activations never cross nodes), the replicas on different nodes (only gradients do)."""
     result, out = run(command(
-        two_nodes, "pipeline", "--no-use-gpu", "--data", digits_dir, "--model", "resnet18", "--stages", "2", "--replicas", "2",
-        "--microbatches", "2", "--balance", "params", "--global-batch-size", "256", "--epochs", "1",
+        two_nodes, "pipeline", "--no-use-gpu", "--data", digits_dir, "--model", "resnet18", "--stages", "2",
+        "--replicas", "2", "--microbatches", "2", "--balance", "params", "--global-batch-size", "256", "--epochs", "1",
         "--storage-path", str(tmp_path),
     ))  # fmt: skip
     nodes = [{actor["node_id"] for actor in result["actors"] if actor["replica"] == replica} for replica in (0, 1)]

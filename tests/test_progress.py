@@ -82,7 +82,9 @@ def test_a_terminal_gets_one_line_rewritten_in_place_and_a_pipe_plain_lines():
     console.say("epoch 1 done")
     console.progress("step 3", "live")
     console.end_line()
-    assert tty.getvalue() == f"\rstep 1{ERASE_LINE}\rstep 2{ERASE_LINE}\r{ERASE_LINE}epoch 1 done\n\rstep 3{ERASE_LINE}\n"
+    assert (
+        tty.getvalue() == f"\rstep 1{ERASE_LINE}\rstep 2{ERASE_LINE}\r{ERASE_LINE}epoch 1 done\n\rstep 3{ERASE_LINE}\n"
+    )
 
     pipe = io.StringIO()
     console = Console(stream=pipe, live=False)
@@ -129,7 +131,9 @@ def test_the_interrupt_line_names_the_last_published_checkpoint_and_the_run(tmp_
         "rerun the same command with --name pipeline-20261203-120000 to continue"
     )
     # A Ray Train run: only what Ray registered counts (a folder may still be uploading).
-    (run / RAY_SNAPSHOT).write_text('{"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_000001_step_000002"}]}')
+    (run / RAY_SNAPSHOT).write_text(
+        '{"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_000001_step_000002"}]}'
+    )
     assert f"the last checkpoint is {run}/checkpoint_000001_step_000002;" in interrupted_line(exc)
     assert interrupted_line(Interrupted(signal.SIGINT)) == "interrupted"
 

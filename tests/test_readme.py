@@ -31,10 +31,24 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 # The pages whose commands run, in the order they run: each page's commands may use what the pages
 # before it made (README's data/digits and lr-sweep; storage.md's bucket data set before its runs).
-DOCS = [README] + [REPO / "docs" / f"{name}.md" for name in (
-    "data", "models", "ddp", "pipeline", "tune", "inference", "runs", "storage", "deploy", "gpus", "performance",
-    "development", "cli",
-)]  # fmt: skip
+DOCS = [README] + [
+    REPO / "docs" / f"{name}.md"
+    for name in (
+        "data",
+        "models",
+        "ddp",
+        "pipeline",
+        "tune",
+        "inference",
+        "runs",
+        "storage",
+        "deploy",
+        "gpus",
+        "performance",
+        "development",
+        "cli",
+    )
+]
 CLI_PAGE = REPO / "docs" / "cli.md"
 
 GPU = "needs CUDA GPUs"
@@ -48,41 +62,60 @@ NOT_HERE = {
     "ray start --head --num-gpus=4": GPU + " (Ray would advertise 4 GPUs that are not there)",
     "raytrain-mp ddp --address auto --num-workers 4 --use-gpu": GPU,
     "raytrain-mp pipeline --address auto --stages 4 --use-gpu": GPU,
-    "ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/pipeline_resnet.py --stages 4 --use-gpu": GPU,
+    "ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/pipeline_resnet.py --stages 4 "
+    "--use-gpu": GPU,
     "ray up cluster.yaml": CLOUD,
     "ray dashboard cluster.yaml &": CLOUD,
     "export RAY_AUTH_MODE=token RAY_ADDRESS=http://127.0.0.1:8265": CLOUD + " (it points at `ray dashboard`'s tunnel)",
-    "ray job submit --working-dir . -- python jobs/ddp_resnet.py --num-workers 4 --use-gpu --storage-path s3://BUCKET/runs": CLOUD,
-    "ray job submit --working-dir . -- python jobs/pipeline_resnet.py --stages 2 --use-gpu --storage-path /mnt/nfs/runs": CLOUD,
+    "ray job submit --working-dir . -- python jobs/ddp_resnet.py --num-workers 4 --use-gpu "
+    "--storage-path s3://BUCKET/runs": CLOUD,
+    "ray job submit --working-dir . -- python jobs/pipeline_resnet.py --stages 2 --use-gpu "
+    "--storage-path /mnt/nfs/runs": CLOUD,
     "ray job logs JOB_ID ; ray job stop JOB_ID": CLOUD + "; tests/test_deploy.py reads `ray job logs` of a local head",
     "ray down cluster.yaml": CLOUD,
-    "ray job submit --working-dir . -- python jobs/tune_lr.py --global-batch-sizes 256,512,1024 --base-lrs 0.025,0.05,0.1,0.2 --num-workers 4 --use-gpu --storage-path s3://BUCKET/sweeps": CLOUD,
-    **{command: "the sweep of docs/tune.md's study: 5 to 17 minutes alone on 2 cores; its tables are in docs/sweep" for command in (
-        "raytrain-mp tune --global-batch-sizes 32,64,128 --base-lrs 0.0125,0.025,0.05,0.1,0.2,0.4 --base-batch 32 --lr-rule linear --scheduler none --epochs 3 --num-workers 1 --name rule-linear",
-        "raytrain-mp tune --global-batch-sizes 32,64,128 --base-lrs 0.003125,0.00625 --base-batch 32 --lr-rule linear --scheduler none --epochs 3 --num-workers 1 --name rule-linear-low",
-        "raytrain-mp tune --global-batch-sizes 32,64,128 --base-lrs 0.0125,0.025,0.05,0.1,0.2,0.4 --base-batch 32 --lr-rule none --scheduler none --epochs 3 --num-workers 1 --name rule-none",
+    "ray job submit --working-dir . -- python jobs/tune_lr.py --global-batch-sizes 256,512,1024 "
+    "--base-lrs 0.025,0.05,0.1,0.2 --num-workers 4 --use-gpu --storage-path s3://BUCKET/sweeps": CLOUD,
+    **{command: "the sweep of docs/tune.md's study: 5 to 17 minutes alone on 2 cores; its tables are in docs/sweep"
+       for command in (
+        "raytrain-mp tune --global-batch-sizes 32,64,128 --base-lrs 0.0125,0.025,0.05,0.1,0.2,0.4 --base-batch 32 "
+        "--lr-rule linear --scheduler none --epochs 3 --num-workers 1 --name rule-linear",
+        "raytrain-mp tune --global-batch-sizes 32,64,128 --base-lrs 0.003125,0.00625 --base-batch 32 --lr-rule linear "
+        "--scheduler none --epochs 3 --num-workers 1 --name rule-linear-low",
+        "raytrain-mp tune --global-batch-sizes 32,64,128 --base-lrs 0.0125,0.025,0.05,0.1,0.2,0.4 --base-batch 32 "
+        "--lr-rule none --scheduler none --epochs 3 --num-workers 1 --name rule-none",
     )},
-    "raytrain-mp bench pipeline --out bench-tiny --model resnet18 --image-size 16 --global-batch-size 8 --microbatches 1,2 --steps 1 --warmup 0 --threads 1 --resnet-rounds 2 --overhead-rounds 1 --overhead-steps 2 --overhead-microbatches 8,1 --overhead-schedules gpipe,1f1b,interleaved-1f1b":
-        "tests/bench/test_bench.py::test_bench_pipeline_smoke runs it word for word (plus --no-use-gpu: CPU tests pin the CPU) "
-        "and checks every figure of its results.json",
-    "raytrain-mp bench pipeline --out docs/bench/pipeline": "26 minutes alone on 2 cores; its figures are committed in docs/bench",
-    "raytrain-mp bench ddp --out docs/bench/ddp": "6.5 minutes alone on 2 cores; its figures are committed in docs/bench",
-    "python scripts/soak.py --faults 10 --out soak": "4 to 6 minutes on 2 cores; tests/test_soak.py runs it with 2 faults per trainer, and docs/runs.md quotes its figures",
+    "raytrain-mp bench pipeline --out bench-tiny --model resnet18 --image-size 16 --global-batch-size 8 "
+    "--microbatches 1,2 --steps 1 --warmup 0 --threads 1 --resnet-rounds 2 --overhead-rounds 1 --overhead-steps 2 "
+    "--overhead-microbatches 8,1 --overhead-schedules gpipe,1f1b,interleaved-1f1b":
+        "tests/bench/test_bench.py::test_bench_pipeline_smoke runs it word for word (plus --no-use-gpu: CPU tests pin "
+        "the CPU) and checks every figure of its results.json",
+    "raytrain-mp bench pipeline --out docs/bench/pipeline":
+        "26 minutes alone on 2 cores; its figures are committed in docs/bench",
+    "raytrain-mp bench ddp --out docs/bench/ddp":
+        "6.5 minutes alone on 2 cores; its figures are committed in docs/bench",
+    "python scripts/soak.py --faults 10 --out soak":
+        "4 to 6 minutes on 2 cores; tests/test_soak.py runs it with 2 faults per trainer, and docs/runs.md quotes its "
+        "figures",
     "raytrain-mp bench data --out docs/bench/data": "minutes on 2 cores; its figures are committed in docs/bench",
-    "raytrain-mp bench pipeline --out docs/bench/hybrid --model resnet18 --image-size 32 --global-batch-size 32 --microbatches 2 --steps 5 --warmup 1 --no-balanced --no-interleaved --no-overhead":
+    "raytrain-mp bench pipeline --out docs/bench/hybrid --model resnet18 --image-size 32 --global-batch-size 32 "
+    "--microbatches 2 --steps 5 --warmup 1 --no-balanced --no-interleaved --no-overhead":
         "minutes on 2 cores; its figures are committed in docs/bench",
-    "raytrain-mp bench ddp --out docs/bench/ddp_standard_stem --no-small-stem": "minutes on 2 cores; its figures are committed in docs/bench",
+    "raytrain-mp bench ddp --out docs/bench/ddp_standard_stem --no-small-stem":
+        "minutes on 2 cores; its figures are committed in docs/bench",
     "python scripts/pipeline_timeline.py --out docs/bench/pipeline-timeline":
-        "minutes on 2 cores; its figures are committed in docs/bench, and tests/bench/test_bench.py runs the script at tiny settings",
+        "minutes on 2 cores; its figures are committed in docs/bench, and tests/bench/test_bench.py runs the script "
+        "at tiny settings",
     **{command: "minutes on 2 cores; tests/bench/test_bench.py runs the script" for command in (
         "python scripts/pipeline_step_split.py --schedule gpipe --rounds 4",
         "python scripts/pipeline_step_split.py --schedule 1f1b --rounds 6",
     )},
-    "raytrain-mp ddp --model mobilenet_v3_small --data data/syn --epochs 1": "an epoch of MobileNetV3 on 4,096 images, minutes on "
-        "2 cores; tests/test_models.py runs each model of docs/models.md's table, tests/test_user_model.py trains a module:callable",
+    "raytrain-mp ddp --model mobilenet_v3_small --data data/syn --epochs 1":
+        "an epoch of MobileNetV3 on 4,096 images, minutes on 2 cores; tests/test_models.py runs each model of "
+        "docs/models.md's table, tests/test_user_model.py trains a module:callable",
     # eval, predict and export start Ray or load torch for seconds to a minute each; the suite's time goes elsewhere.
     "raytrain-mp eval --checkpoint ~/ray_results/lr-sweep --json": AFTER,
-    "raytrain-mp predict --checkpoint ~/ray_results/lr-sweep my_digits/ --top-k 3": "my_digits/ is the reader's own images; " + AFTER,
+    "raytrain-mp predict --checkpoint ~/ray_results/lr-sweep my_digits/ --top-k 3":
+        "my_digits/ is the reader's own images; " + AFTER,
     "raytrain-mp export --checkpoint ~/ray_results/lr-sweep --format onnx --out model.onnx": AFTER,
 }  # fmt: skip
 
@@ -99,7 +132,7 @@ def page_blocks(page: Path, language: str) -> list[str]:
     blocks = []
     for indent, lang, body in FENCE.findall(page_text(page)):
         if lang == language:
-            blocks.append("\n".join(line[len(indent):] for line in body.splitlines()))
+            blocks.append("\n".join(line[len(indent) :] for line in body.splitlines()))
     return blocks
 
 
@@ -136,30 +169,40 @@ def doc_scripts() -> list[str]:
 def test_every_command_is_run_here_or_excused():
     commands = readme_commands()
     scripted = {command for script in doc_scripts() for command in block_commands(script)}
-    assert set(DOCS) == {README, *(REPO / "docs").glob("*.md")}, "a page of docs/ is missing from DOCS, or DOCS names one that is not there"
+    assert set(DOCS) == {README, *(REPO / "docs").glob("*.md")}, (
+        "a page of docs/ is missing from DOCS, or DOCS names one that is not there"
+    )
     assert not scripted & set(NOT_HERE), scripted & set(NOT_HERE)  # a script runs every line of it
     assert set(NOT_HERE) <= set(commands), set(NOT_HERE) - set(commands)  # no stale excuses
     assert commands[:2] == ["pip install -e . && raytrain-mp ddp", "pip install -e '.[test,export]' && pytest"]
-    assert "pip install -e '.[test,export]' && pytest\n" in (REPO / ".ci" / "run").read_text()  # the README's test command is CI's
+    assert (
+        "pip install -e '.[test,export]' && pytest\n" in (REPO / ".ci" / "run").read_text()
+    )  # the README's test command is CI's
     assert len(set(commands) - set(NOT_HERE)) >= 12
 
 
 SCRIPTED = {command for script in doc_scripts() for command in block_commands(script)}
 # Each command once, where it first appears: a page that shows a command again shows what already ran.
-RUN_HERE = [command for command in dict.fromkeys(readme_commands()) if command not in NOT_HERE and command not in SCRIPTED]
+RUN_HERE = [
+    command for command in dict.fromkeys(readme_commands()) if command not in NOT_HERE and command not in SCRIPTED
+]
 
 
 def test_commands_run_after_what_they_use():
     """What ``DOCS`` order must keep: a data set before its use, a sweep before its resume."""
+
     def at(command: str) -> int:
         assert command in RUN_HERE, command
         return RUN_HERE.index(command)
 
-    assert RUN_HERE[0] == "pip install -e . && raytrain-mp ddp"  # prepares digits into the default cache the others read
+    assert (
+        RUN_HERE[0] == "pip install -e . && raytrain-mp ddp"
+    )  # prepares digits into the default cache the others read
     digits = at("raytrain-mp data prepare digits --out data/digits")
     assert all(digits < i for i, command in enumerate(RUN_HERE) if "--data data/digits" in command)
-    assert at("raytrain-mp tune --global-batch-sizes 32,64 --base-lrs 0.1,0.4 --epochs 1 --num-workers 1 --name lr-sweep") < at(
-        "raytrain-mp tune --resume ~/ray_results/lr-sweep")
+    assert at(
+        "raytrain-mp tune --global-batch-sizes 32,64 --base-lrs 0.1,0.4 --epochs 1 --num-workers 1 --name lr-sweep"
+    ) < at("raytrain-mp tune --resume ~/ray_results/lr-sweep")
     bucket = [i for i, command in enumerate(RUN_HERE) if '"s3://' in command]
     assert len(bucket) == 3 and RUN_HERE[bucket[0]].startswith("raytrain-mp data prepare digits --out")
     assert "data: data/digits" in doc_blocks("yaml")[0]  # run.yaml, which `ddp --config run.yaml` reads
@@ -179,7 +222,9 @@ def anchors(page: Path) -> set[str]:
     """The ``#anchor`` of each heading of ``page``, as GitHub makes them."""
     seen: dict[str, int] = {}
     result = set()
-    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.sub(r"^( *)```.*?^\1```", "", page.read_text(), flags=re.S | re.M), re.M):
+    for heading in re.findall(
+        r"^#{1,6}\s+(.*?)\s*#*\s*$", re.sub(r"^( *)```.*?^\1```", "", page.read_text(), flags=re.S | re.M), re.M
+    ):
         slug = re.sub(r"[^\w\- ]", "", heading.replace("`", "").lower()).replace(" ", "-")
         result.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
         seen[slug] = seen.get(slug, 0) + 1
@@ -253,9 +298,13 @@ def test_the_cli_page_names_every_option_of_every_command():
     commands = {" ".join(("raytrain-mp", *words)): parser for words, parser in command_parsers(build_parser())}
     assert list(sections) == list(commands), "docs/cli.md is stale: python tests/test_readme.py writes it anew"
     for heading, parser in commands.items():
-        options = {option for action in parser._actions for option in action.option_strings if action.help != argparse.SUPPRESS}
+        options = {
+            option for action in parser._actions for option in action.option_strings if action.help != argparse.SUPPRESS
+        }
         missing = {option for option in options if not re.search(rf"{re.escape(option)}\b", sections[heading])}
-        assert not missing, f"docs/cli.md's {heading} lacks {sorted(missing)}: python tests/test_readme.py writes it anew"
+        assert not missing, (
+            f"docs/cli.md's {heading} lacks {sorted(missing)}: python tests/test_readme.py writes it anew"
+        )
 
 
 def write_cli_page() -> None:
@@ -327,7 +376,9 @@ def readme_s3():
     host, port = README_S3.split(":")
     server = ThreadedMotoServer(ip_address=host, port=int(port), verbose=False)
     server.start()  # fails loudly if port 9000 is taken: the docs' commands name it
-    fs, _ = pafs.FileSystem.from_uri(f"s3://{README_BUCKET}?endpoint_override={README_S3}&scheme=http&allow_bucket_creation=true")
+    fs, _ = pafs.FileSystem.from_uri(
+        f"s3://{README_BUCKET}?endpoint_override={README_S3}&scheme=http&allow_bucket_creation=true"
+    )
     fs.create_dir(README_BUCKET)
     yield
     server.stop()
@@ -345,7 +396,10 @@ def check_s3_output(command: str, out: str) -> None:
     assert result["epochs"] == 1 and result["run"].startswith(f"s3://{README_BUCKET}/runs/")
     for key in ("checkpoint", "model"):
         assert result[key].endswith(f"?endpoint_override={README_S3}&scheme=http"), result[key]
-    assert locate(result["model"], "--weights").is_file() and locate(result["run"], "--storage-path").child("result.json").is_file()
+    assert (
+        locate(result["model"], "--weights").is_file()
+        and locate(result["run"], "--storage-path").child("result.json").is_file()
+    )
 
 
 def check_output(command: str, out: str, home: Path, work: Path) -> None:
@@ -433,7 +487,9 @@ def clone(tmp_path_factory):
         return anywhere | (local & set(names) if Path(folder) == REPO else set())
 
     shutil.copytree(REPO, root, ignore=ignore)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", root / ".venv"], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", root / ".venv"], check=True
+    )
     return root
 
 
@@ -457,8 +513,12 @@ def run_one_box(script: str, clone: Path, tmp_path: Path) -> subprocess.Complete
     try:
         return subprocess.run(
             ["unshare", "--pid", "--fork", "--net", "--mount-proc", "bash", "-c", inside],
-            cwd=clone, env=env, capture_output=True, text=True, timeout=900,
-        )  # fmt: skip
+            cwd=clone,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
 

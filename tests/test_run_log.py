@@ -8,13 +8,22 @@ import csv
 import io
 
 import pytest
-from run_log_check import csv_as_events, read_events
 
 from raytrain_mp.run_log import CURVES_FILE, METRICS_FILE, RunLog, read_rows
 from raytrain_mp.storage import Location, join, locate
 
-EPOCH_METRICS = {"epoch": 1, "train_loss": 1.25, "val_loss": 1.5, "val_accuracy": 0.625, "samples_per_second": 100.0,
-                 "lr": 0.1, "world_size": 2, "world_size_history": [[0, 2]]}  # fmt: skip
+from run_log_check import csv_as_events, read_events
+
+EPOCH_METRICS = {
+    "epoch": 1,
+    "train_loss": 1.25,
+    "val_loss": 1.5,
+    "val_accuracy": 0.625,
+    "samples_per_second": 100.0,
+    "lr": 0.1,
+    "world_size": 2,
+    "world_size_history": [[0, 2]],
+}
 
 
 def attempt(run: Location, start: int, steps: range, loss: float, publish_at: int | None = None) -> RunLog:
@@ -49,8 +58,12 @@ def test_rows_events_and_curves(run):
     assert (rows[4]["val_accuracy"], rows[4]["val_loss"], rows[4]["train_loss"]) == ("0.625", "1.5", "1.25")
     events = read_events(run)
     want = csv_as_events(rows)
-    assert events.keys() == want.keys() and {"train/loss", "train/lr", "val/loss", "val/accuracy"} <= {tag for tag, _ in events}
-    assert all(events[key] == pytest.approx(value, rel=1e-6) for key, value in want.items())  # TensorBoard holds float32
+    assert events.keys() == want.keys() and {"train/loss", "train/lr", "val/loss", "val/accuracy"} <= {
+        tag for tag, _ in events
+    }
+    assert all(
+        events[key] == pytest.approx(value, rel=1e-6) for key, value in want.items()
+    )  # TensorBoard holds float32
     assert run.child(CURVES_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -64,7 +77,9 @@ def test_a_resume_continues_the_log_without_duplicated_or_missing_steps(run):
     steps = [int(r["global_step"]) for r in rows if r["kind"] == "step"]
     assert steps == list(range(1, 13))
     assert [int(r["global_step"]) for r in rows if r["kind"] == "epoch"] == [4, 8, 12]
-    assert [float(r["train_loss"]) for r in rows if r["kind"] == "step"] == [1.0 + s for s in range(1, 7)] + [2.0 + s for s in range(7, 13)]
+    assert [float(r["train_loss"]) for r in rows if r["kind"] == "step"] == [1.0 + s for s in range(1, 7)] + [
+        2.0 + s for s in range(7, 13)
+    ]
     events = read_events(run)
     assert events == pytest.approx(csv_as_events(rows), rel=1e-6)  # the crashed attempt's steps 7 and 8 purged
 
@@ -74,7 +89,9 @@ def test_publishing_replaces_whole_files(tmp_path, monkeypatch):
     or a crash never meets half of it, and nothing is appended to an old copy."""
     writes: list[tuple[str, bytes]] = []
     original = Location.write_bytes
-    monkeypatch.setattr(Location, "write_bytes", lambda self, data: (writes.append((self.path, data)), original(self, data))[1])
+    monkeypatch.setattr(
+        Location, "write_bytes", lambda self, data: (writes.append((self.path, data)), original(self, data))[1]
+    )
     run = locate(str(tmp_path / "runs"), "--storage-path").child("r")
     attempt(run, 0, range(1, 6), loss=1.0, publish_at=2).publish()
     csv_writes = [data for path, data in writes if path.endswith(METRICS_FILE)]

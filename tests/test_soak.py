@@ -36,5 +36,6 @@ def test_random_kills_of_workers_stage_actors_and_a_driver_leave_the_uninterrupt
     print(soak.summary(trials))
     for trial in trials:
         assert trial.passed, (trial.name, trial.code, trial.kills, trial.max_abs_diff, trial.tail)
-    # ddp: 2 random kills, 1 during the restart after the second, 1 of the board; pipeline: the same but the board; 1 driver
+    # ddp: 2 random kills, 1 during the restart after the second, 1 of the board; pipeline: the same but the
+    # board; 1 driver
     assert [len(trial.kills) for trial in trials] == [4, 3, 1], [trial.kills for trial in trials]

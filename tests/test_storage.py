@@ -26,7 +26,10 @@ from raytrain_mp.storage import (
 
 def test_join_keeps_the_query_at_the_end():
     uri = "s3://b/runs?endpoint_override=127.0.0.1:9000&scheme=http"
-    assert join(uri, "r1", "checkpoint_000002") == "s3://b/runs/r1/checkpoint_000002?endpoint_override=127.0.0.1:9000&scheme=http"
+    assert (
+        join(uri, "r1", "checkpoint_000002")
+        == "s3://b/runs/r1/checkpoint_000002?endpoint_override=127.0.0.1:9000&scheme=http"
+    )
     assert name_of(join(uri, "r1", "checkpoint_000002")) == "checkpoint_000002"
     assert join("/tmp/runs/", "r1") == "/tmp/runs/r1"
 
@@ -81,7 +84,11 @@ def test_download_folder_copies_every_file(bucket, tmp_path):
     target = locate(join(bucket, "c"), "--resume-from")
     publish_folder(local_checkpoint(tmp_path, "a"), target)
     got = download_folder(target, tmp_path / "down")
-    assert sorted(str(p.relative_to(got)) for p in got.rglob("*") if p.is_file()) == [COMPLETE_MARKER, "model.pt", "sub/x"]
+    assert sorted(str(p.relative_to(got)) for p in got.rglob("*") if p.is_file()) == [
+        COMPLETE_MARKER,
+        "model.pt",
+        "sub/x",
+    ]
     assert (got / "sub" / "x").read_bytes() == b"x"
 
 
@@ -92,7 +99,9 @@ def test_a_store_that_refuses_is_one_line():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens there once the socket is closed
     uri = f"s3://bucket/runs?endpoint_override=127.0.0.1:{port}&scheme=http"
-    with pytest.raises(UsageError, match=r"^--storage-path: s3://bucket/runs\?.*: the store refused the request \(.+\)$"):
+    with pytest.raises(
+        UsageError, match=r"^--storage-path: s3://bucket/runs\?.*: the store refused the request \(.+\)$"
+    ):
         check_reachable(locate(uri, "--storage-path"), "--storage-path")
 
 

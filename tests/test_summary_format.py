@@ -7,8 +7,15 @@ import json
 
 from raytrain_mp.cli import emit
 
-RESULT = {"lr": 5.0979e-06, "val_accuracy": 0.969444, "epochs": 2, "world_size_history": [[0, 2]],
-          "stage_seconds_per_step": [0.123456, 1.5], "best": {"base_lr": 0.05, "trial": "t1"}, "checkpoint": None}  # fmt: skip
+RESULT = {
+    "lr": 5.0979e-06,
+    "val_accuracy": 0.969444,
+    "epochs": 2,
+    "world_size_history": [[0, 2]],
+    "stage_seconds_per_step": [0.123456, 1.5],
+    "best": {"base_lr": 0.05, "trial": "t1"},
+    "checkpoint": None,
+}
 
 
 def test_text_summary_prints_4_significant_digits(capsys):

@@ -1,8 +1,9 @@
 """A user's own network (``--model mymodels:tiny_net``, a module in the working directory) trains
 end to end through the console script, with ``ddp`` on 2 workers, with ``tune`` on 1 and with
 ``pipeline`` on 2 stages cut across its skip connection; ddp and tune give the same model, and
-``eval`` of the sweep's folder rebuilds its best trial's model through the same callable: world-size invariance in float64 on a non-ResNet with BatchNorm (no dropout:
-dropout draws per rank, README "Your model").
+``eval`` of the sweep's folder rebuilds its best trial's model through the same callable: world-size
+invariance in float64 on a non-ResNet with BatchNorm (no dropout: dropout draws per rank, README
+"Your model").
 
 Three runs and an evaluation in all. Each is a ``raytrain-mp`` subprocess run from the folder that holds
 ``mymodels.py`` (the console script does not put that folder on ``sys.path``; the tool does), joined
@@ -11,9 +12,9 @@ to the session's Ray as a new job: Ray puts a job's working directory on its wor
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
-import importlib.util
 import textwrap
 
 import pyarrow.parquet as pq
@@ -35,7 +36,9 @@ MYMODELS = textwrap.dedent('''
 
         def __init__(self, num_classes, in_channels):
             super().__init__()
-            self.stem = nn.Sequential(nn.Conv2d(in_channels, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+            self.stem = nn.Sequential(
+                nn.Conv2d(in_channels, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU()
+            )
             self.body = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
             self.head = nn.Linear(16, num_classes)
 
@@ -63,7 +66,9 @@ def test_a_user_module_trains_with_ddp_tune_and_pipeline(ray_session, tmp_path):
     data = write_digits_cut(tmp_path / "digits", 640, 160)  # 5 steps of 128 an epoch
     address = ray_session.get_runtime_context().gcs_address
     common = ["--data", data, "--storage-path", str(tmp_path / "runs"), "--model", "mymodels:tiny_net", *FP64]
-    ddp = raytrain_mp(tmp_path, address, "ddp", *common, "--name", "ddp", "--num-workers", "2", "--global-batch-size", "128")
+    ddp = raytrain_mp(
+        tmp_path, address, "ddp", *common, "--name", "ddp", "--num-workers", "2", "--global-batch-size", "128"
+    )
     assert ddp["epochs"] == 2 and ddp["world_size"] == 2 and ddp["val_count"] == 160 and 0 <= ddp["val_accuracy"] <= 1
     tune = raytrain_mp(
         tmp_path, address, "tune", *common, "--name", "tune", "--num-workers", "1", "--global-batch-sizes", "128",

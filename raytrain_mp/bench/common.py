@@ -139,9 +139,7 @@ def _medians_and_whiskers(figures: Sequence[dict[str, float]]) -> tuple[list[flo
     return medians, [[m - f["min"] for m, f in zip(medians, figures)], [f["max"] - m for m, f in zip(medians, figures)]]
 
 
-def bar_chart(
-    path: Path, labels: Sequence[str], figures: Sequence[dict[str, float]], ylabel: str, title: str
-) -> None:
+def bar_chart(path: Path, labels: Sequence[str], figures: Sequence[dict[str, float]], ylabel: str, title: str) -> None:
     """Bars of the medians with min-max whiskers, each bar labelled with its median."""
     plt = pyplot()
     medians, whiskers = _medians_and_whiskers(figures)

@@ -35,7 +35,9 @@ class BenchDDPConfig:
     out: str = option("", "folder for results.json and the plot")
     model: str = option("resnet18", f"model: {MODEL_HELP}")
     image_size: int = option(32, "side of the random square input images in pixels")
-    small_stem: bool | None = option(None, "ResNets: 3x3 stride-1 stem without max-pool (default: on below 64 px, as raytrain-mp ddp)")
+    small_stem: bool | None = option(
+        None, "ResNets: 3x3 stride-1 stem without max-pool (default: on below 64 px, as raytrain-mp ddp)"
+    )
     batch_size_per_worker: int = option(32, "samples per worker per step", aliases=("batch_size",))
     num_classes: int = option(10, "classes of the random labels")
     num_workers: tuple[int, ...] = option((1, 2), "worker counts to measure (DDP ranks)", aliases=("workers",))
@@ -57,15 +59,25 @@ class BenchDDPConfig:
 
     def validate(self) -> None:
         check_shared(self)
-        check(self.batch_size_per_worker >= 1, "batch_size_per_worker", f"must be >= 1, got {self.batch_size_per_worker}")
-        check(len(self.num_workers) >= 1 and min(self.num_workers) >= 1, "num_workers", f"each count must be >= 1, got {list(self.num_workers)}")
+        check(
+            self.batch_size_per_worker >= 1, "batch_size_per_worker", f"must be >= 1, got {self.batch_size_per_worker}"
+        )
+        check(
+            len(self.num_workers) >= 1 and min(self.num_workers) >= 1,
+            "num_workers",
+            f"each count must be >= 1, got {list(self.num_workers)}",
+        )
         check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
         check(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
         check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
 
     def settings(self) -> dict[str, Any]:
         """What a worker needs (plain values: it travels as JSON to torchrun and to Ray workers)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("out", "address", "json", "num_workers", "verbose")}
+        return {
+            k: v
+            for k, v in dataclasses.asdict(self).items()
+            if k not in ("out", "address", "json", "num_workers", "verbose")
+        }
 
 
 @dataclasses.dataclass
@@ -79,7 +91,9 @@ class BenchPipelineConfig:
     stages: int = option(2, "pipeline stages, one Ray actor each (and one torchrun rank each for the native peer)")
     cpus_per_stage: int = option(1, "CPUs per stage actor and per native rank; also their torch thread count")
     use_gpu: bool | None = option(
-        None, "one GPU per stage actor and per native rank, and the reference on one (default: when this machine has a GPU for each stage)"
+        None,
+        "one GPU per stage actor and per native rank, and the reference on one (default: when this machine has a GPU "
+        "for each stage)",
     )
     threads: int = option(2, "torch threads of the one-process baseline (default: the stages' CPUs together)")
     microbatches: tuple[int, ...] = option(
@@ -88,8 +102,10 @@ class BenchPipelineConfig:
         "m=1 on the seeds' split, is always run; 1F1B needs m >= --stages)",
     )
     memory_format: str = option(
-        "auto", "layout our stages compute in (PipelineTrainer's memory_format: auto measures each stage in both); "
-        "unless contiguous, the native peer also runs the seeds' split in the layouts ours chose (results['native_ours_layouts'])",
+        "auto",
+        "layout our stages compute in (PipelineTrainer's memory_format: auto measures each stage in both); "
+        "unless contiguous, the native peer also runs the seeds' split in the layouts ours chose "
+        "(results['native_ours_layouts'])",
         MEMORY_FORMATS,
     )
     split_points: tuple[str, ...] = option(SEEDS_SPLIT, "the fixed split: cut before these modules (the seeds' split)")
@@ -97,32 +113,53 @@ class BenchPipelineConfig:
     interleaved: bool = option(True, "also run time-balanced stages, 2 per actor, with interleaved 1F1B")
     balance_microbatches: int = option(8, "balanced stages are profiled on a micro-batch of global-batch-size / this")
     balance_trials: int = option(
-        3, "balanced stages: timed steps (at m = --balance-microbatches) of each cut run before the timed figures: the "
-        "profile's, then the profile rescaled to what each stage measured, cut anew (PipelineTrainer's balance_trials; 0: the profile decides)"
+        3,
+        "balanced stages: timed steps (at m = --balance-microbatches) of each cut run before the timed figures: the "
+        "profile's, then the profile rescaled to what each stage measured, cut anew (PipelineTrainer's "
+        "balance_trials; 0: the profile decides)",
     )
     steps: int = option(3, "timed steps per figure (and round, on the seeds' split)")
     warmup: int = option(1, "untimed steps before each figure")
     resnet_rounds: int = option(
-        3, "rounds of ours then native on the seeds' split, pooled (drift of a shared machine's speed then hits both alike)"
+        3,
+        "rounds of ours then native on the seeds' split, pooled (drift of a shared machine's speed then hits both "
+        "alike)",
     )
     seed: int = option(0, "seed of the model and the random batch")
-    overhead: bool = option(True, "also time the overhead-bound case: a tiny MLP whose compute is negligible, ours vs native", group="benchmark")
-    overhead_batch_size: int = option(64, "overhead case: samples per step of the MLP", group="benchmark")
-    overhead_microbatches: tuple[int, ...] = option((2, 4, 8, 16), "overhead case: the m values to sweep", group="benchmark")
-    overhead_schedules: tuple[str, ...] = option(
-        tuple(SCHEDULES), f"overhead case: schedules to sweep (interleaved ones with 2 stages per actor), of {', '.join(SCHEDULES)}", group="benchmark"
+    overhead: bool = option(
+        True,
+        "also time the overhead-bound case: a tiny MLP whose compute is negligible, ours vs native",
+        group="benchmark",
     )
-    overhead_steps: int = option(40, "overhead case: timed steps per figure and round (after a few untimed ones)", group="benchmark")
+    overhead_batch_size: int = option(64, "overhead case: samples per step of the MLP", group="benchmark")
+    overhead_microbatches: tuple[int, ...] = option(
+        (2, 4, 8, 16), "overhead case: the m values to sweep", group="benchmark"
+    )
+    overhead_schedules: tuple[str, ...] = option(
+        tuple(SCHEDULES),
+        f"overhead case: schedules to sweep (interleaved ones with 2 stages per actor), of {', '.join(SCHEDULES)}",
+        group="benchmark",
+    )
+    overhead_steps: int = option(
+        40, "overhead case: timed steps per figure and round (after a few untimed ones)", group="benchmark"
+    )
     overhead_steps_per_call: int = option(
-        8, "overhead case: steps per Ray call when the steps are queued as the run loop queues them (pipeline --steps-per-call)",
+        8,
+        "overhead case: steps per Ray call when the steps are queued as the run loop queues them (pipeline "
+        "--steps-per-call)",
         group="benchmark",
-    )  # fmt: skip
+    )
     overhead_rounds: int = option(
-        3, "overhead case: rounds of ours then native, pooled (drift of a shared machine's speed then hits both alike)",
+        3,
+        "overhead case: rounds of ours then native, pooled (drift of a shared machine's speed then hits both alike)",
         group="benchmark",
-    )  # fmt: skip
-    hybrid: bool = option(True, "also time data x pipeline layouts of --hybrid-workers actors: --replicas R x --stages S = k")
-    hybrid_workers: int = option(2, "hybrid case: stage actors k of every layout (R=k S=1 data parallel ... R=1 S=k pipeline)")
+    )
+    hybrid: bool = option(
+        True, "also time data x pipeline layouts of --hybrid-workers actors: --replicas R x --stages S = k"
+    )
+    hybrid_workers: int = option(
+        2, "hybrid case: stage actors k of every layout (R=k S=1 data parallel ... R=1 S=k pipeline)"
+    )
     hybrid_microbatches: int = option(4, "hybrid case: micro-batches of a whole step (R x m), the same in every layout")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
     verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
@@ -138,11 +175,16 @@ class BenchPipelineConfig:
         check(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
         check(len(self.microbatches) >= 1, "microbatches", "give at least one m, e.g. 1,2,4,8")
         bad = [m for m in self.microbatches if not 1 <= m <= self.global_batch_size]
-        check(not bad, "microbatches", f"each m must be between 1 and --global-batch-size {self.global_batch_size}, got {bad}")
+        check(
+            not bad,
+            "microbatches",
+            f"each m must be between 1 and --global-batch-size {self.global_batch_size}, got {bad}",
+        )
         check(
             len(self.split_points) == self.stages - 1,
             "split_points",
-            f"{len(self.split_points)} split point(s) make {len(self.split_points) + 1} stages, not --stages {self.stages}",
+            f"{len(self.split_points)} split point(s) make {len(self.split_points) + 1} stages, not --stages "
+            f"{self.stages}",
         )
         check(
             1 <= self.balance_microbatches <= self.global_batch_size,
@@ -158,18 +200,24 @@ class BenchPipelineConfig:
             f"each m must be between 1 and --overhead-batch-size {self.overhead_batch_size}, got {bad}",
         )
         check(self.overhead_steps >= 1, "overhead_steps", f"must be >= 1, got {self.overhead_steps}")
-        check(self.overhead_steps_per_call >= 1, "overhead_steps_per_call", f"must be >= 1, got {self.overhead_steps_per_call}")
+        check(
+            self.overhead_steps_per_call >= 1,
+            "overhead_steps_per_call",
+            f"must be >= 1, got {self.overhead_steps_per_call}",
+        )
         check(self.balance_trials >= 0, "balance_trials", f"must be >= 0, got {self.balance_trials}")
         check(
             not self.balance_trials or self.global_batch_size % self.balance_microbatches == 0,
             "balance_microbatches",
-            f"must divide --global-batch-size {self.global_batch_size} for --balance-trials' steps, got {self.balance_microbatches}",
+            f"must divide --global-batch-size {self.global_batch_size} for --balance-trials' steps, got "
+            f"{self.balance_microbatches}",
         )
         check(self.resnet_rounds >= 1, "resnet_rounds", f"must be >= 1, got {self.resnet_rounds}")
         check(self.overhead_rounds >= 1, "overhead_rounds", f"must be >= 1, got {self.overhead_rounds}")
         check(self.hybrid_workers >= 1, "hybrid_workers", f"must be >= 1, got {self.hybrid_workers}")
         check(
-            self.hybrid_microbatches % self.hybrid_workers == 0 and self.global_batch_size % self.hybrid_microbatches == 0,
+            self.hybrid_microbatches % self.hybrid_workers == 0
+            and self.global_batch_size % self.hybrid_microbatches == 0,
             "hybrid_microbatches",
             f"must be a multiple of --hybrid-workers {self.hybrid_workers} that divides --global-batch-size "
             f"{self.global_batch_size}, got {self.hybrid_microbatches}",
@@ -199,23 +247,29 @@ class BenchDataConfig:
         "samples/s and the driver's CPU seconds per sample; it starts a local Ray of its own (unless this process is "
         "connected to one) and 2 stage actors twice, so it runs only when named",
         group="benchmark",
-    )  # fmt: skip
+    )
     num_images: int = option(512, "images per case, cut from scikit-learn's two sample photos")
     loader_batch_size: int = option(32, "samples per loader batch")
     loader_workers: tuple[int, ...] = option((1, 2), "loader process counts to measure")
     repeats: int = option(3, "timed passes over the images per figure (after one untimed pass)")
     seed: int = option(0, "seed of the image crops, the sample order and the augmentation")
     pipeline_steps: int = option(
-        30, f"{DATA_PIPELINE_CASE}: timed train steps per pass (each pass is its own epoch; the case makes "
-        "more than --num-images images when one epoch would hold fewer steps)", group="benchmark",
-    )  # fmt: skip
-    pipeline_warmup: int = option(3, f"{DATA_PIPELINE_CASE}: untimed train steps before the timed passes", group="benchmark")
+        30,
+        f"{DATA_PIPELINE_CASE}: timed train steps per pass (each pass is its own epoch; the case makes "
+        "more than --num-images images when one epoch would hold fewer steps)",
+        group="benchmark",
+    )
+    pipeline_warmup: int = option(
+        3, f"{DATA_PIPELINE_CASE}: untimed train steps before the timed passes", group="benchmark"
+    )
     pipeline_batch_size: int = option(32, f"{DATA_PIPELINE_CASE}: samples per train step", group="benchmark")
     pipeline_microbatches: int = option(4, f"{DATA_PIPELINE_CASE}: micro-batches per train step (m)", group="benchmark")
     pipeline_loader_workers: int = option(
-        1, f"{DATA_PIPELINE_CASE}: loader processes of stage 0 after the change (its bundle reserves a CPU for each; 0 decodes in the stage actor)",
+        1,
+        f"{DATA_PIPELINE_CASE}: loader processes of stage 0 after the change (its bundle reserves a CPU for each; 0 "
+        "decodes in the stage actor)",
         group="benchmark",
-    )  # fmt: skip
+    )
     json: bool = False
 
     def validate(self) -> None:
@@ -235,13 +289,24 @@ class BenchDataConfig:
                 "num_images",
                 f"must be at least twice --loader-batch-size {self.loader_batch_size}, got {self.num_images}",
             )
-            check(len(self.loader_workers) >= 1 and min(self.loader_workers) >= 1, "loader_workers", f"each count must be >= 1, got {list(self.loader_workers)}")
+            check(
+                len(self.loader_workers) >= 1 and min(self.loader_workers) >= 1,
+                "loader_workers",
+                f"each count must be >= 1, got {list(self.loader_workers)}",
+            )
         check(self.pipeline_steps >= 1, "pipeline_steps", f"must be >= 1, got {self.pipeline_steps}")
         check(self.pipeline_warmup >= 0, "pipeline_warmup", f"must be >= 0, got {self.pipeline_warmup}")
-        check(self.pipeline_microbatches >= 1, "pipeline_microbatches", f"must be >= 1, got {self.pipeline_microbatches}")
+        check(
+            self.pipeline_microbatches >= 1, "pipeline_microbatches", f"must be >= 1, got {self.pipeline_microbatches}"
+        )
         check(
             self.pipeline_batch_size >= 1 and self.pipeline_batch_size % self.pipeline_microbatches == 0,
             "pipeline_batch_size",
-            f"must be a positive multiple of --pipeline-microbatches {self.pipeline_microbatches}, got {self.pipeline_batch_size}",
+            f"must be a positive multiple of --pipeline-microbatches {self.pipeline_microbatches}, got "
+            f"{self.pipeline_batch_size}",
         )
-        check(self.pipeline_loader_workers >= 0, "pipeline_loader_workers", f"must be >= 0, got {self.pipeline_loader_workers}")
+        check(
+            self.pipeline_loader_workers >= 0,
+            "pipeline_loader_workers",
+            f"must be >= 0, got {self.pipeline_loader_workers}",
+        )

@@ -175,7 +175,9 @@ def measure_case(cfg: BenchDataConfig, name: str, root: Path) -> dict[str, Any]:
 
     def before(workers: int) -> DataLoader:
         dataset = PerSampleFloatDataset(str(prepared), "train", augment=True, seed=cfg.seed)
-        return DataLoader(dataset, cfg.loader_batch_size, shuffle=True, num_workers=workers, persistent_workers=True, drop_last=True)
+        return DataLoader(
+            dataset, cfg.loader_batch_size, shuffle=True, num_workers=workers, persistent_workers=True, drop_last=True
+        )
 
     # label -> (a loader of N processes, the batch transform run in this process, samples a pass)
     loaders = {"ours_uint8": (ours, None, samples)}
@@ -183,7 +185,9 @@ def measure_case(cfg: BenchDataConfig, name: str, root: Path) -> dict[str, Any]:
         loaders["ours_plus_cpu_transform"] = (ours, cpu_transform, samples)
         loaders["per_sample_float_before"] = (before, None, samples)
     loaders["torchvision_imagefolder_pil"] = (
-        partial(torchvision_loader, str(images), side, encoded, cfg.loader_batch_size), None, cfg.num_images
+        partial(torchvision_loader, str(images), side, encoded, cfg.loader_batch_size),
+        None,
+        cfg.num_images,
     )
     figures: dict[str, dict[str, Any]] = {}
     for label, (make, transform, count) in loaders.items():
@@ -191,10 +195,20 @@ def measure_case(cfg: BenchDataConfig, name: str, root: Path) -> dict[str, Any]:
             # Built here and dropped after: its persistent processes end before the next loader's start.
             walls, cpus = measure_passes(make(workers), cfg.repeats, transform)
             figure = figures.setdefault(label, {})[str(workers)] = rates(walls, cpus, count, workers)
-            print(f"bench data: {name} {label} {workers} process(es): {figure['samples_per_second']['median']:.0f} samples/s, "
-                  f"{figure['samples_per_cpu_second']['median']:.0f} per CPU second", flush=True)  # fmt: skip
+            print(
+                f"bench data: {name} {label} {workers} process(es): {figure['samples_per_second']['median']:.0f} "
+                "samples/s, "
+                f"{figure['samples_per_cpu_second']['median']:.0f} per CPU second",
+                flush=True,
+            )
     stored = sum(len(ours_ds.stored(i)) for i in range(len(ours_ds))) / len(ours_ds)
-    return {"image_size": side, "encoded": encoded, "train_images": len(ours_ds), "stored_bytes_per_image": stored, "loaders": figures}
+    return {
+        "image_size": side,
+        "encoded": encoded,
+        "train_images": len(ours_ds),
+        "stored_bytes_per_image": stored,
+        "loaders": figures,
+    }
 
 
 def ratios(cases: dict[str, Any], figure: str) -> dict[str, dict[str, float]]:
@@ -211,12 +225,14 @@ def ratios(cases: dict[str, Any], figure: str) -> dict[str, dict[str, float]]:
 
     wanted = {  # ratio name -> (case, ours, peer); a ratio of a case not measured is left out
         "raw_224_ours_over_per_sample_float": ("raw_224", "ours_uint8", "per_sample_float_before"),
-        "raw_224_ours_with_cpu_transform_over_per_sample_float": ("raw_224", "ours_plus_cpu_transform", "per_sample_float_before"),
+        "raw_224_ours_with_cpu_transform_over_per_sample_float": (
+            "raw_224",
+            "ours_plus_cpu_transform",
+            "per_sample_float_before",
+        ),
         "encoded_224_ours_over_torchvision": ("encoded_jpeg_224", "ours_uint8", "torchvision_imagefolder_pil"),
     }
     return {name: ratio(*of) for name, of in wanted.items() if of[0] in cases}
-
-
 
 
 # -- the pipeline input case: the run loop fed by the driver (before) vs read by the stages (after) --
@@ -225,9 +241,14 @@ def ratios(cases: dict[str, Any], figure: str) -> dict[str, dict[str, float]]:
 def tiny_convnet(num_classes: int) -> nn.Module:
     """A model whose step takes milliseconds on 224x224 inputs, so the input, not the math, sets the pace."""
     return nn.Sequential(
-        nn.Conv2d(3, 8, 4, stride=4), nn.ReLU(), nn.Conv2d(8, 8, 4, stride=4), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes),
-    )  # fmt: skip
+        nn.Conv2d(3, 8, 4, stride=4),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 4, stride=4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, num_classes),
+    )
 
 
 def pipeline_image_count(cfg: BenchDataConfig) -> int:
@@ -312,14 +333,31 @@ def measure_pipeline_input(cfg: BenchDataConfig, name: str, root: Path) -> dict[
     count = pipeline_image_count(cfg)
     images = make_images(root / "images", count, None, cfg.seed)
     prepared = root / "prepared"
-    meta = prepare(f"imagefolder:{images}", prepared, val_fraction=VAL_FRACTION, seed=cfg.seed, encoded=True, image_size=PIPELINE_SIDE)
+    meta = prepare(
+        f"imagefolder:{images}",
+        prepared,
+        val_fraction=VAL_FRACTION,
+        seed=cfg.seed,
+        encoded=True,
+        image_size=PIPELINE_SIDE,
+    )
     batch, m, workers = cfg.pipeline_batch_size, cfg.pipeline_microbatches, cfg.pipeline_loader_workers
     if meta.counts["train"] // batch < max(cfg.pipeline_steps, cfg.pipeline_warmup):
-        raise RuntimeError(f"{name}: {meta.counts['train']} train images hold fewer than a pass of {cfg.pipeline_steps} steps of {batch}")
+        raise RuntimeError(
+            f"{name}: {meta.counts['train']} train images hold fewer than a pass of {cfg.pipeline_steps} steps of "
+            f"{batch}"
+        )
     torch.manual_seed(cfg.seed)
     model = tiny_convnet(meta.num_classes)
     cut = [flatten_model(model, None)[1].name]  # stage 0: the first conv; stage 1: the rest
-    options = dict(num_microbatches=m, split_points=cut, use_gpu=False, memory_format="contiguous", lr=PIPELINE_LR, cpus_per_stage=1)
+    options = dict(
+        num_microbatches=m,
+        split_points=cut,
+        use_gpu=False,
+        memory_format="contiguous",
+        lr=PIPELINE_LR,
+        cpus_per_stage=1,
+    )
 
     # Before: the run loop of before issue #33, the driver's reads in this process.
     train_ds = ParquetImageDataset(str(prepared), "train", augment=True, seed=cfg.seed, meta=meta)
@@ -342,18 +380,29 @@ def measure_pipeline_input(cfg: BenchDataConfig, name: str, root: Path) -> dict[
         data = StageData(str(prepared), batch, cfg.seed, augment=True, loader_workers=workers)
         with PipelineTrainer(model, 2, **options, data=data) as trainer:
             runs["stage_loaders"], losses["stage_loaders"] = timed_passes(
-                lambda positions: list(trainer.train_data_steps(((e, s, PIPELINE_LR) for e, s in positions), steps_per_call=1)), cfg
+                lambda positions: list(
+                    trainer.train_data_steps(((e, s, PIPELINE_LR) for e, s in positions), steps_per_call=1)
+                ),
+                cfg,
             )
             reads = trainer.reads()
         runs["stage_loaders"]["stage_reads"] = reads
     before, after = runs["driver_reads"], runs["stage_loaders"]
     ratio = {
         figure: after[figure]["median"] / before[figure]["median"]
-        for figure in ("samples_per_second", "driver_cpu_seconds_per_sample", "driver_main_thread_cpu_seconds_per_sample")
+        for figure in (
+            "samples_per_second",
+            "driver_cpu_seconds_per_sample",
+            "driver_main_thread_cpu_seconds_per_sample",
+        )
         if figure in before
     }
-    print(f"bench data: {name} samples/s {before['samples_per_second']['median']:.0f} before, {after['samples_per_second']['median']:.0f} after; "
-          f"driver CPU s/sample after/before {ratio['driver_cpu_seconds_per_sample']:.3f}", flush=True)  # fmt: skip
+    print(
+        f"bench data: {name} samples/s {before['samples_per_second']['median']:.0f} before, "
+        f"{after['samples_per_second']['median']:.0f} after; "
+        f"driver CPU s/sample after/before {ratio['driver_cpu_seconds_per_sample']:.3f}",
+        flush=True,
+    )
     difference = max(abs(a - b) for a, b in zip(losses["driver_reads"], losses["stage_loaders"]))
     return {
         "image_size": PIPELINE_SIDE,
@@ -364,7 +413,9 @@ def measure_pipeline_input(cfg: BenchDataConfig, name: str, root: Path) -> dict[
         "batch_size": batch,
         "microbatches": m,
         "loader_workers": workers,
-        "driver_cpu_clock": "time.process_time(): every thread of this process (the run loop and Ray's own), no child process",
+        "driver_cpu_clock": (
+            "time.process_time(): every thread of this process (the run loop and Ray's own), no child process"
+        ),
         "runs": runs,
         "after_over_before": ratio,
         "same_samples": {"steps_compared": len(losses["driver_reads"]), "max_loss_difference": difference},
@@ -382,12 +433,22 @@ def pipeline_plots(out: Path, name: str, case: dict[str, Any]) -> list[str]:
     setting = f"batch {case['batch_size']}, m={case['microbatches']}"
     speed = out / f"{name}_samples_per_second.png"
     ratio = case["after_over_before"]
-    bar_chart(speed, labels, [r["samples_per_second"] for r in runs], "samples per second, end to end",
-              f"{name}: pipeline run loop\n{setting}; after/before {ratio['samples_per_second']:.2f}")  # fmt: skip
+    bar_chart(
+        speed,
+        labels,
+        [r["samples_per_second"] for r in runs],
+        "samples per second, end to end",
+        f"{name}: pipeline run loop\n{setting}; after/before {ratio['samples_per_second']:.2f}",
+    )
     cpu = out / f"{name}_driver_cpu_per_sample.png"
     in_ms = [{k: v * 1e3 for k, v in r["driver_cpu_seconds_per_sample"].items()} for r in runs]
-    bar_chart(cpu, labels, in_ms, "driver CPU milliseconds per trained sample",
-              f"{name}: driver CPU per trained sample\n{setting}; after/before {ratio['driver_cpu_seconds_per_sample']:.3f}")  # fmt: skip
+    bar_chart(
+        cpu,
+        labels,
+        in_ms,
+        "driver CPU milliseconds per trained sample",
+        f"{name}: driver CPU per trained sample\n{setting}; after/before {ratio['driver_cpu_seconds_per_sample']:.3f}",
+    )
     return [str(speed), str(cpu)]
 
 
@@ -420,11 +481,25 @@ def run_bench_data(cfg: BenchDataConfig) -> dict[str, Any]:
     results = {
         "benchmark": "data",
         "machine": host,
-        "settings": {"cases": list(cfg.cases), "num_images": cfg.num_images, "loader_batch_size": cfg.loader_batch_size,
-                     "loader_workers": list(cfg.loader_workers), "repeats": cfg.repeats, "seed": cfg.seed,
-                     **({"pipeline_steps": cfg.pipeline_steps, "pipeline_warmup": cfg.pipeline_warmup,
-                         "pipeline_batch_size": cfg.pipeline_batch_size, "pipeline_microbatches": cfg.pipeline_microbatches,
-                         "pipeline_loader_workers": cfg.pipeline_loader_workers} if DATA_PIPELINE_CASE in cases else {})},  # fmt: skip
+        "settings": {
+            "cases": list(cfg.cases),
+            "num_images": cfg.num_images,
+            "loader_batch_size": cfg.loader_batch_size,
+            "loader_workers": list(cfg.loader_workers),
+            "repeats": cfg.repeats,
+            "seed": cfg.seed,
+            **(
+                {
+                    "pipeline_steps": cfg.pipeline_steps,
+                    "pipeline_warmup": cfg.pipeline_warmup,
+                    "pipeline_batch_size": cfg.pipeline_batch_size,
+                    "pipeline_microbatches": cfg.pipeline_microbatches,
+                    "pipeline_loader_workers": cfg.pipeline_loader_workers,
+                }
+                if DATA_PIPELINE_CASE in cases
+                else {}
+            ),
+        },
         "cases": cases,
         "ratios": {figure: ratios(cases, figure) for figure in ("per_process", "samples_per_cpu_second")},
         "elapsed_seconds": time.perf_counter() - started,

@@ -52,9 +52,16 @@ def torchvision_loader(folder: str, size: int, resized_crop: bool, batch_size: i
     ``resized_crop``, else RandomCrop(size, padding=size/8); then flip, ToTensor, Normalize."""
     from torchvision import datasets, transforms
 
-    crop = transforms.RandomResizedCrop(size) if resized_crop else transforms.RandomCrop(size, padding=max(1, size // 8))
+    crop = (
+        transforms.RandomResizedCrop(size) if resized_crop else transforms.RandomCrop(size, padding=max(1, size // 8))
+    )
     recipe = transforms.Compose(
-        [crop, transforms.RandomHorizontalFlip(), transforms.ToTensor(), transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]
+        [
+            crop,
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        ]
     )
     dataset = datasets.ImageFolder(folder, transform=recipe)
     extra = {"persistent_workers": True} if workers > 0 else {}

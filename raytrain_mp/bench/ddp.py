@@ -36,8 +36,8 @@ import dataclasses
 import json
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,11 +56,11 @@ from raytrain_mp.bench.common import (
 )
 from raytrain_mp.bench.config import BenchDDPConfig
 from raytrain_mp.ddp.distributed_eval import global_count
+from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
+from raytrain_mp.errors import UsageError
 from raytrain_mp.models import build_model, check_model
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import build_optimizer
-from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
-from raytrain_mp.errors import UsageError
 
 DISTINCT_BATCHES = 4  # in-memory batches each worker cycles through
 MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4  # raytrain-mp ddp's defaults
@@ -79,7 +79,9 @@ def measure_steps(
     torch.set_num_threads(settings["cpus_per_worker"])  # Ray and torchrun set OMP_NUM_THREADS; torch's pool is ours
     size, batch = settings["image_size"], settings["batch_size_per_worker"]
     torch.manual_seed(settings["seed"])
-    model: nn.Module = build_model(settings["model"], settings["num_classes"], 3, settings["small_stem"], image_size=size)
+    model: nn.Module = build_model(
+        settings["model"], settings["num_classes"], 3, settings["small_stem"], image_size=size
+    )
     distributed = dist.is_available() and dist.is_initialized()
     if settings["sync_bn"] and world > 1:
         model = convert_sync_batchnorm(model, device=device)
@@ -94,7 +96,10 @@ def measure_steps(
     optimizer = build_optimizer(model.parameters(), "sgd", settings["lr"], MOMENTUM, WEIGHT_DECAY)
     data = torch.Generator().manual_seed(settings["seed"] * 1000 + rank)
     batches = [
-        (torch.randn(batch, 3, size, size, generator=data), torch.randint(settings["num_classes"], (batch,), generator=data))
+        (
+            torch.randn(batch, 3, size, size, generator=data),
+            torch.randint(settings["num_classes"], (batch,), generator=data),
+        )
         for _ in range(DISTINCT_BATCHES)
     ]
 
@@ -117,7 +122,10 @@ def measure_steps(
         step(*batches[i % DISTINCT_BATCHES])
         if i >= settings["warmup"]:
             seconds.append(time.perf_counter() - start)
-    figures: dict[str, Any] = {**{f"step_{k}": v for k, v in summarize(seconds).items()}, "first_step_at": first_step_at}
+    figures: dict[str, Any] = {
+        **{f"step_{k}": v for k, v in summarize(seconds).items()},
+        "first_step_at": first_step_at,
+    }
     if gpus:
         memory = [torch.cuda.max_memory_allocated(gpu) for gpu in gpus]
         figures["peak_memory_bytes"] = memory if data_parallel_gpus >= 2 else memory[0]
@@ -143,14 +151,25 @@ def one_process(cfg: BenchDDPConfig, threads: int, data_parallel_gpus: int = 0) 
     device = torch.device("cuda", 0) if cfg.use_gpu else torch.device("cpu")
     figures = measure_steps({**cfg.settings(), "cpus_per_worker": threads}, 0, 1, device, data_parallel_gpus)
     memory = {"peak_memory_bytes": figures["peak_memory_bytes"]} if "peak_memory_bytes" in figures else {}
-    return {"threads": threads, "device": str(device), **throughput(figures, cfg.batch_size_per_worker * max(1, data_parallel_gpus)), **memory}
+    return {
+        "threads": threads,
+        "device": str(device),
+        **throughput(figures, cfg.batch_size_per_worker * max(1, data_parallel_gpus)),
+        **memory,
+    }
 
 
 def bare(cfg: BenchDDPConfig, workers: int) -> dict[str, Any]:
     """``workers`` ranks of ``bench.ddp_bare`` under torchrun."""
     launched = time.time()
-    figures = torchrun("raytrain_mp.bench.ddp_bare", workers, cfg.settings(), cfg.cpus_per_worker, f"torchrun with {workers} workers")
-    return {"workers": workers, "startup_seconds": figures["first_step_at"] - launched, **throughput(figures, workers * cfg.batch_size_per_worker)}
+    figures = torchrun(
+        "raytrain_mp.bench.ddp_bare", workers, cfg.settings(), cfg.cpus_per_worker, f"torchrun with {workers} workers"
+    )
+    return {
+        "workers": workers,
+        "startup_seconds": figures["first_step_at"] - launched,
+        **throughput(figures, workers * cfg.batch_size_per_worker),
+    }
 
 
 def ray_worker(settings: dict[str, Any]) -> None:
@@ -181,7 +200,9 @@ def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:
         train_loop_config=cfg.settings(),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=workers, use_gpu=cfg.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
+            num_workers=workers,
+            use_gpu=cfg.use_gpu,
+            resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},
         ),
         run_config=RunConfig(
             name=f"bench-ddp-{workers}-{time.strftime('%H%M%S')}",
@@ -191,7 +212,11 @@ def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:
     )
     launched = time.time()
     figures = trainer.fit().metrics
-    return {"workers": workers, "startup_seconds": figures["first_step_at"] - launched, **throughput(figures, workers * cfg.batch_size_per_worker)}
+    return {
+        "workers": workers,
+        "startup_seconds": figures["first_step_at"] - launched,
+        **throughput(figures, workers * cfg.batch_size_per_worker),
+    }
 
 
 def too_few_gpus(cfg: BenchDDPConfig, workers: int, gpus: float, where: str) -> str | None:
@@ -201,7 +226,14 @@ def too_few_gpus(cfg: BenchDDPConfig, workers: int, gpus: float, where: str) -> 
     return None
 
 
-def measured(cfg: BenchDDPConfig, side: str, gpus: float, where: str, run: Callable[[int], dict[str, Any]], skipped: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def measured(
+    cfg: BenchDDPConfig,
+    side: str,
+    gpus: float,
+    where: str,
+    run: Callable[[int], dict[str, Any]],
+    skipped: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
     """``run(w)`` for each worker count that fits ``gpus``; the others appended to ``skipped``."""
     runs = []
     for workers in cfg.num_workers:
@@ -223,7 +255,8 @@ def data_parallel(cfg: BenchDDPConfig, threads: int, skipped: list[dict[str, Any
     reason = (
         "nn.DataParallel runs on CUDA GPUs; this run is on CPUs (--no-use-gpu or no GPU for each worker)"
         if not cfg.use_gpu
-        else f"nn.DataParallel needs 2 or more GPUs and a worker count of 2 or more; this machine has {torch.cuda.device_count()}, the largest count is {max(cfg.num_workers)}"
+        else f"nn.DataParallel needs 2 or more GPUs and a worker count of 2 or more; this machine has "
+        f"{torch.cuda.device_count()}, the largest count is {max(cfg.num_workers)}"
     )
     skipped.append({"variant": "data_parallel", "reason": reason})
     return None
@@ -239,7 +272,10 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
     check_model(cfg.model, cfg.num_classes, 3, cfg.image_size, cfg.small_stem)  # before any process starts
     cfg = dataclasses.replace(cfg, use_gpu=bench_use_gpu(cfg.use_gpu, max(cfg.num_workers)))
     if cfg.use_gpu and not torch.cuda.is_available():
-        raise UsageError("--use-gpu: this machine has no CUDA GPU, and the references and the torchrun side run here; accepted: --no-use-gpu")
+        raise UsageError(
+            "--use-gpu: this machine has no CUDA GPU, and the references and the torchrun side run here; accepted: "
+            "--no-use-gpu"
+        )
     started = time.perf_counter()
     host = machine()
     ray_was_running = ray.is_initialized()
@@ -249,10 +285,13 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
     dp = data_parallel(cfg, threads, skipped)
     bare_runs = measured(cfg, "torchrun", torch.cuda.device_count(), "this machine", lambda w: bare(cfg, w), skipped)
     with ray_connection(cfg.address, cfg.verbose), tempfile.TemporaryDirectory(prefix="bench-ddp-ray-") as storage:
-        ray_runs = measured(cfg, "ray_train", cluster_totals()[1], "the Ray cluster", lambda w: ours(cfg, w, storage), skipped)
+        ray_runs = measured(
+            cfg, "ray_train", cluster_totals()[1], "the Ray cluster", lambda w: ours(cfg, w, storage), skipped
+        )
     bare_by_workers = {b["workers"]: b for b in bare_runs}
     ratios = {
-        str(r["workers"]): r["samples_per_second"]["median"] / bare_by_workers[r["workers"]]["samples_per_second"]["median"]
+        str(r["workers"]): r["samples_per_second"]["median"]
+        / bare_by_workers[r["workers"]]["samples_per_second"]["median"]
         for r in ray_runs
         if r["workers"] in bare_by_workers
     }
@@ -268,7 +307,9 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
         labels += [f"{side}\n{r['workers']} worker(s)" for r in runs]
         figures += [r["samples_per_second"] for r in runs]
     per_worker = "1 GPU" if cfg.use_gpu else f"{cfg.cpus_per_worker} thread(s)"
-    title = f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.batch_size_per_worker}/worker, {per_worker}/worker"
+    title = (
+        f"{cfg.model} {cfg.image_size}x{cfg.image_size}, batch {cfg.batch_size_per_worker}/worker, {per_worker}/worker"
+    )
     bar_chart(plot, labels, figures, "training samples per second", title)
     results = {
         "benchmark": "ddp",

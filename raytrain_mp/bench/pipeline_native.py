@@ -1,22 +1,24 @@
 """The native side of ``raytrain-mp bench pipeline``: PyTorch's own ``torch.distributed.pipelining``.
 
 Job: join the process group torchrun describes (NCCL with one GPU per rank when the settings'
-``use_gpu`` says so, gloo on CPUs otherwise) and, for each case of the settings in turn (``resnet``: the
-seeds'-split layout's stages, ``bench.pipeline.native.resnet_case``; ``overhead``: the tiny MLP
+``use_gpu`` says so, gloo on CPUs otherwise) and, for each case of the settings in turn (``resnet``:
+the seeds'-split layout's stages, ``bench.pipeline.native.resnet_case``; ``overhead``: the tiny MLP
 of the overhead case, ``bench.pipeline.overhead.overhead_case``), build the same seeded model and
 batch as ``bench.pipeline`` (``bench.pipeline.shared``; the case names ``seeded_setup`` or
-``seeded_mlp`` and its arguments), take this rank's stage of the case's block names (``stage_modules``), wrap it
-in ``PipelineStage`` and time one training step (``schedule.step``, then SGD with
-``bench.pipeline``'s lr and momentum) under ``ScheduleGPipe``, ``Schedule1F1B`` and, with the
-model cut into ranks x 2 chunks of which rank r holds r and r + ranks, ``ScheduleInterleaved1F1B``
-and ``ScheduleInterleavedZeroBubble``, for every (schedule, m) of the case's sweep; rank 0 writes the figures of every case as JSON (each run's timed steps under
-``samples``, so that rounds can be pooled). Run as
-``python -m torch.distributed.run --standalone --nproc-per-node STAGES -m
-raytrain_mp.bench.pipeline_native --settings JSON --result PATH`` (``bench.common.torchrun``).
+``seeded_mlp`` and its arguments), take this rank's stage of the case's block names
+(``stage_modules``), wrap it in ``PipelineStage`` and time one training step (``schedule.step``,
+then SGD with ``bench.pipeline``'s lr and momentum) under ``ScheduleGPipe``, ``Schedule1F1B`` and,
+with the model cut into ranks x 2 chunks of which rank r holds r and r + ranks,
+``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble``, for every (schedule, m) of the
+case's sweep; rank 0 writes the figures of every case as JSON (each run's timed steps under
+``samples``, so that rounds can be pooled). Run as ``python -m torch.distributed.run --standalone
+--nproc-per-node STAGES -m raytrain_mp.bench.pipeline_native --settings JSON --result PATH``
+(``bench.common.torchrun``).
 
 Invariants:
-- Rank r runs stage r (chunks r, r + ranks, ... with virtual stages, torch's interleaved layout). Every rank builds the same weights and batch (same seed), so rank 0's
-  inputs and the last rank's targets are the batch our pipeline trains on.
+- Rank r runs stage r (chunks r, r + ranks, ... with virtual stages, torch's interleaved layout).
+  Every rank builds the same weights and batch (same seed), so rank 0's inputs and the last rank's
+  targets are the batch our pipeline trains on.
 - The loss is cross entropy averaged over each micro-batch and the schedule divides gradients by
   m (``scale_grads=True``): the gradient of the batch mean, as our stages compute it.
 - A step ends with ``dist.barrier()``, so every rank's timed step spans the whole pipeline step;
@@ -55,6 +57,7 @@ from raytrain_mp.bench.common import join_torchrun_group, summarize, timed
 from raytrain_mp.bench.pipeline.shared import seeded_mlp, seeded_setup, sgd, stage_modules, virtual_stages
 from raytrain_mp.pipeline.memory_format import in_layout
 from raytrain_mp.pipeline.schedule import SCHEDULES, stage_indices
+
 SETUPS = {"seeded_setup": seeded_setup, "seeded_mlp": seeded_mlp}
 
 
@@ -90,10 +93,14 @@ def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -
                 # in the layouts ours computed this point in, where the case names them
                 layouts = case.get("layouts", {}).get(f"{name} {m}", [["contiguous"] * virtual] * world)[rank]
                 runners = [in_layout(chunk, layout) for chunk, layout in zip(chunks, layouts)]
-                stages = [PipelineStage(runner, index, world * virtual, device) for index, runner in zip(indices, runners)]
+                stages = [
+                    PipelineStage(runner, index, world * virtual, device) for index, runner in zip(indices, runners)
+                ]
                 try:
                     entry = SCHEDULES[name]
-                    schedule = entry.torch_class()(stages if entry.multi_stage else stages[0], m, loss_fn=F.cross_entropy)
+                    schedule = entry.torch_class()(
+                        stages if entry.multi_stage else stages[0], m, loss_fn=F.cross_entropy
+                    )
                 except ValueError as exc:  # the schedule's own check, e.g. 1F1B with m < stages
                     reason = " ".join(str(exc).split())
             if reason is not None:
@@ -126,14 +133,18 @@ def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help="threads, use_gpu and cases (bench.pipeline.native_runs) as JSON")
+    parser.add_argument(
+        "--settings", required=True, help="threads, use_gpu and cases (bench.pipeline.native_runs) as JSON"
+    )
     parser.add_argument("--result", required=True, help="where rank 0 writes its figures")
     args = parser.parse_args(argv)
     settings = json.loads(args.settings)
     device = join_torchrun_group(settings["use_gpu"])
     world = dist.get_world_size()
     torch.set_num_threads(settings["threads"])  # torchrun sets OMP_NUM_THREADS; torch's pool is ours
-    cases = {name: measure(case, dist.get_rank(), dist.get_world_size(), device) for name, case in settings["cases"].items()}
+    cases = {
+        name: measure(case, dist.get_rank(), dist.get_world_size(), device) for name, case in settings["cases"].items()
+    }
     if dist.get_rank() == 0:
         placed = {"backend": dist.get_backend(), "device": device.type, "world": world, "threads": settings["threads"]}
         Path(args.result).write_text(json.dumps({**placed, "cases": cases}))

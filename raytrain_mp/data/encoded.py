@@ -46,7 +46,9 @@ def check_file(path: str | Path) -> np.ndarray:
     try:
         with Image.open(path) as im:
             if im.format not in FORMATS:
-                raise UsageError(f"imagefolder: {path} is {im.format}, not JPEG or PNG; --encoded keeps JPEG and PNG files")
+                raise UsageError(
+                    f"imagefolder: {path} is {im.format}, not JPEG or PNG; --encoded keeps JPEG and PNG files"
+                )
             im.load()  # decodes every byte: a truncated file raises here
             return to_uint8(im, CHANNELS)
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:

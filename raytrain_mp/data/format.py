@@ -66,7 +66,9 @@ def read_meta(root: str) -> DatasetMeta:
     if info.type == pafs.FileType.NotFound:
         raise UsageError(f"--data: no such data set folder {root}; create one with `raytrain-mp data prepare`")
     if fs.get_file_info(meta_path).type != pafs.FileType.File:
-        raise UsageError(f"--data: {root} holds no {META_FILE}; not a prepared data set (run `raytrain-mp data prepare`)")
+        raise UsageError(
+            f"--data: {root} holds no {META_FILE}; not a prepared data set (run `raytrain-mp data prepare`)"
+        )
     try:
         with fs.open_input_stream(meta_path) as f:
             raw = json.loads(f.read().decode("utf-8"))

@@ -55,5 +55,11 @@ def make_loader(
     keeps them across epochs (a training loader), off for a loader read once an epoch (evaluation)."""
     extra = {"prefetch_factor": prefetch, "persistent_workers": persistent} if workers > 0 else {}
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin, drop_last=drop_last, **extra
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=pin,
+        drop_last=drop_last,
+        **extra,
     )

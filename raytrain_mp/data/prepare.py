@@ -87,7 +87,9 @@ def _write_split(split: RawSplit, folder: Path, rows_per_shard: int) -> list[str
     return names
 
 
-def write_dataset(raw: RawDataset, out: str | Path, rows_per_shard: int = 10_000, overwrite: bool = False) -> DatasetMeta:
+def write_dataset(
+    raw: RawDataset, out: str | Path, rows_per_shard: int = 10_000, overwrite: bool = False
+) -> DatasetMeta:
     """Write ``raw`` as shards + metadata into ``out`` (a local folder or a URI), replacing it only if asked.
 
     On an object store the data set is written locally, then uploaded with ``metadata.json`` last
@@ -144,7 +146,9 @@ def write_dataset(raw: RawDataset, out: str | Path, rows_per_shard: int = 10_000
 def _upload_dataset(raw: RawDataset, target: Location, rows_per_shard: int, overwrite: bool) -> DatasetMeta:
     check_reachable(target, "--out")
     if target.exists() and not overwrite and target.fs.get_file_info(pafs.FileSelector(target.path)):
-        raise UsageError(f"--out: {target.uri} already exists and is not empty; choose a new folder or pass --overwrite")
+        raise UsageError(
+            f"--out: {target.uri} already exists and is not empty; choose a new folder or pass --overwrite"
+        )
     staging = Path(tempfile.mkdtemp(prefix="raytrain-data-"))
     try:
         meta = write_dataset(raw, staging / "dataset", rows_per_shard)
@@ -156,6 +160,8 @@ def _upload_dataset(raw: RawDataset, target: Location, rows_per_shard: int, over
     return meta
 
 
-def prepare(spec: str, out: str | Path, *, rows_per_shard: int = 10_000, overwrite: bool = False, **source_options) -> DatasetMeta:
+def prepare(
+    spec: str, out: str | Path, *, rows_per_shard: int = 10_000, overwrite: bool = False, **source_options
+) -> DatasetMeta:
     """Read SOURCE and write it to ``out``: the ``raytrain-mp data prepare`` command's work."""
     return write_dataset(load_source(spec, **source_options), out, rows_per_shard, overwrite)

@@ -217,7 +217,9 @@ def merged_stats(moments: np.ndarray) -> tuple[list[float], list[float]]:
     return mean.tolist(), np.where(std > 0, std, 1.0).tolist()
 
 
-def load_encoded_imagefolder_source(path: str, val_fraction: float = 0.2, seed: int = 0, image_size: int = 224) -> RawDataset:
+def load_encoded_imagefolder_source(
+    path: str, val_fraction: float = 0.2, seed: int = 0, image_size: int = 224
+) -> RawDataset:
     """An ImageFolder kept as its JPEG and PNG files, every one checked; layout as ``load_imagefolder_source``."""
     root = _imagefolder_root(path)
     if (root / "train").is_dir() and (root / "val").is_dir():

@@ -58,7 +58,9 @@ def gathered(padded: torch.Tensor, params: torch.Tensor, h: int, w: int) -> torc
 
 
 @lru_cache(maxsize=32)
-def normalization(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def normalization(
+    mean: tuple[float, ...], std: tuple[float, ...], device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``mean`` and ``std`` as (1, C, 1, 1) tensors on ``device``, made once per (device, dtype):
     building them per batch is a host-to-device copy that waits for the stream, so the next
     batch's pinned copy could not overlap the step's compute."""
@@ -78,7 +80,9 @@ class BatchTransform:
     pad: int = 0
     augment: bool = False
 
-    def __call__(self, images: torch.Tensor, params: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def __call__(
+        self, images: torch.Tensor, params: torch.Tensor, device: torch.device, dtype: torch.dtype
+    ) -> torch.Tensor:
         x = images.to(device, non_blocking=True).to(dtype)
         mean, std = normalization(self.mean, self.std, device, dtype)
         x = (x - mean) / std

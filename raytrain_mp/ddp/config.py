@@ -10,7 +10,6 @@ import dataclasses
 from raytrain_mp.config import TrainOptions, check, check_choice, option
 from raytrain_mp.ddp.elastic import check_world_sizes, parse_worker_range
 
-
 DDP_PLACEMENTS = ("PACK", "SPREAD")
 
 
@@ -19,27 +18,41 @@ class DDPConfig(TrainOptions):
     FAULTS_AT_STEPS = True  # --inject-fault also takes sSTEP: after a global step
 
     num_workers: int | str = option(
-        2, "Ray Train workers (DDP ranks): a count, or MIN-MAX to train elastically (start with what the cluster has, "
-        "shrink when a node is lost, grow when capacity returns; the model stays the one a fixed-size run trains)"
-    )  # fmt: skip
+        2,
+        "Ray Train workers (DDP ranks): a count, or MIN-MAX to train elastically (start with what the cluster has, "
+        "shrink when a node is lost, grow when capacity returns; the model stays the one a fixed-size run trains)",
+    )
     resize_interval: float = option(60.0, "elastic: seconds between Ray Train's checks for capacity to grow into")
     resize_timeout: float = option(
-        10.0, "elastic: seconds a restart waits for the workers of the size it chose before it chooses again "
-        "(Ray Train's worker-group start timeout, 60 s by default; a size chosen from a stale view of the nodes never fits)"
-    )  # fmt: skip
+        10.0,
+        "elastic: seconds a restart waits for the workers of the size it chose before it chooses again "
+        "(Ray Train's worker-group start timeout, 60 s by default; a size chosen from a stale view of the nodes never "
+        "fits)",
+    )
     checkpoint_every_steps: int | None = option(
-        None, "also checkpoint every this many optimizer steps, with the position in the epoch's sample order "
-        "(a restart or resize then loses at most this many steps)"
-    )  # fmt: skip
+        None,
+        "also checkpoint every this many optimizer steps, with the position in the epoch's sample order "
+        "(a restart or resize then loses at most this many steps)",
+    )
     use_gpu: bool | None = option(None, "one GPU per worker (default: when the cluster has one for each worker)")
-    cpus_per_worker: int = option(1, "CPUs per worker, shared by its training process (torch threads) and its loader processes")
-    loader_workers: int | None = option(None, "loader processes per worker that read and decode batches (default: --cpus-per-worker - 1; 0: read in the training process)")
+    cpus_per_worker: int = option(
+        1, "CPUs per worker, shared by its training process (torch threads) and its loader processes"
+    )
+    loader_workers: int | None = option(
+        None,
+        "loader processes per worker that read and decode batches (default: --cpus-per-worker - 1; 0: read in the "
+        "training process)",
+    )
     loader_prefetch: int = option(2, "batches each loader process keeps ready")
     global_batch_size: int = option(64, "samples per optimizer step over all workers")
     grad_accum_steps: int = option(1, "micro-steps accumulated per optimizer step (DDP no_sync)")
     sync_bn: bool = option(True, "synchronize BatchNorm statistics across workers")
-    hold_at_step: str | None = option(None, "testing: STEP:MARKER holds every rank before global step STEP until MARKER exists", hidden=True)
-    placement: str = option("PACK", "worker placement: PACK fills a node first, SPREAD puts one per node where it can", DDP_PLACEMENTS)
+    hold_at_step: str | None = option(
+        None, "testing: STEP:MARKER holds every rank before global step STEP until MARKER exists", hidden=True
+    )
+    placement: str = option(
+        "PACK", "worker placement: PACK fills a node first, SPREAD puts one per node where it can", DDP_PLACEMENTS
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -62,7 +75,11 @@ class DDPConfig(TrainOptions):
             at, _, marker = self.hold_at_step.partition(":")
             check(at.isdigit() and bool(marker), "hold_at_step", "accepted: STEP:MARKER")
         check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
-        check(self.loader_workers is None or self.loader_workers >= 0, "loader_workers", f"must be >= 0, got {self.loader_workers}")
+        check(
+            self.loader_workers is None or self.loader_workers >= 0,
+            "loader_workers",
+            f"must be >= 0, got {self.loader_workers}",
+        )
         check(self.loader_prefetch >= 1, "loader_prefetch", f"must be >= 1, got {self.loader_prefetch}")
         check(self.global_batch_size >= 1, "global_batch_size", f"must be >= 1, got {self.global_batch_size}")
         check(self.grad_accum_steps >= 1, "grad_accum_steps", f"must be >= 1, got {self.grad_accum_steps}")

@@ -57,7 +57,11 @@ def all_reduce_sum(values: list[float | torch.Tensor], device: torch.device) -> 
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader, to_input: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device, autocast=nullcontext
+    model: nn.Module,
+    loader,
+    to_input: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    autocast=nullcontext,
 ) -> dict[str, float]:
     """Global loss, accuracy and the exact number of samples evaluated across all ranks; the
     loader yields (uint8 images, labels, params) and ``to_input`` makes the model's input of them."""
@@ -69,7 +73,9 @@ def evaluate(
         x, y = to_input(images, params), y.to(device, non_blocking=True)
         with autocast():
             logits = model(x)
-        loss_sum += nn.functional.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y, reduction="sum").double()
+        loss_sum += nn.functional.cross_entropy(
+            logits.to(torch.promote_types(logits.dtype, torch.float32)), y, reduction="sum"
+        ).double()
         correct += (logits.argmax(dim=1) == y).sum()
         count += y.numel()
     loss_sum, correct, count = all_reduce_sum([loss_sum, correct, count], device)

@@ -30,7 +30,9 @@ def parse_worker_range(value: str | int) -> tuple[int, int]:
     if low < 1:
         raise UsageError(f"--num-workers: must be >= 1, got {text}")
     if low > high:
-        raise UsageError(f"--num-workers: MIN {low} is larger than MAX {high} in {text}; accepted: MIN-MAX with 1 <= MIN <= MAX")
+        raise UsageError(
+            f"--num-workers: MIN {low} is larger than MAX {high} in {text}; accepted: MIN-MAX with 1 <= MIN <= MAX"
+        )
     return low, high
 
 
@@ -46,7 +48,10 @@ def check_world_sizes(global_batch: int, accum: int, low: int, high: int, option
             )
         return
     if global_batch % accum:
-        raise UsageError(f"--global-batch-size: {global_batch} is not divisible by --grad-accum-steps {accum}; accepted: a multiple of {accum}")
+        raise UsageError(
+            f"--global-batch-size: {global_batch} is not divisible by --grad-accum-steps {accum}; accepted: a multiple "
+            f"of {accum}"
+        )
     micro = global_batch // accum
     bad = next((w for w in range(low, high + 1) if micro % w), None)
     if bad is not None:
@@ -54,7 +59,8 @@ def check_world_sizes(global_batch: int, accum: int, low: int, high: int, option
         raise UsageError(
             f"--num-workers: {bad} workers (in {low}-{high}) cannot split --global-batch-size {global_batch}"
             + (f" / --grad-accum-steps {accum}" if accum > 1 else "")
-            + f" = {micro} samples a micro-step into whole per-rank batches; every size of the range must divide {micro} "
+            + f" = {micro} samples a micro-step into whole per-rank batches; every size of the range must divide "
+            f"{micro} "
             f"(of {low}-{high}, these do: {', '.join(map(str, fits)) or 'none'})"
         )
 

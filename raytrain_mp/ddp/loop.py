@@ -48,22 +48,31 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from raytrain_mp.checkpointing import checkpoint_name, checkpoint_state, load_checkpoint, plain_state_dict, read_checkpoint, report_checkpoint, resumed_at, set_rng_states
+from raytrain_mp.checkpointing import (
+    checkpoint_name,
+    checkpoint_state,
+    load_checkpoint,
+    plain_state_dict,
+    read_checkpoint,
+    report_checkpoint,
+    resumed_at,
+    set_rng_states,
+)
 from raytrain_mp.config import FaultSpec, to_yaml
-from raytrain_mp.epochs import build_run_model, checkpoint_due, epoch_line, run_dtype
-from raytrain_mp.niceness import run_at_normal_niceness
-from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.data.loader import EpochKeys, make_loader
-from raytrain_mp.ddp.elastic import items_to_skip
+from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate, global_count
+from raytrain_mp.ddp.elastic import items_to_skip
+from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
+from raytrain_mp.ddp.watch import rank_zero_console
+from raytrain_mp.epochs import build_run_model, checkpoint_due, epoch_line, run_dtype
 from raytrain_mp.lr_schedule import schedule_for
-from raytrain_mp.storage import join, locate, name_of
+from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.progress import Progress
 from raytrain_mp.run_log import RunLog
-from raytrain_mp.ddp.watch import rank_zero_console
-from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
+from raytrain_mp.storage import join, locate, name_of
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -85,8 +94,12 @@ def train_loop_per_worker(config: dict) -> None:
     if rank == 0:
         worker.out = rank_zero_console(cfg.name, cfg.quiet)
         if resume_dir is not None:
-            worker.out.say(f"resumed from {resume_dir} at epoch {start_epoch + 1}" + (f" step {skip + 1}" if skip else ""))
-        worker.out.say(f"{world} worker{'s' * (world > 1)} on {num_nodes} node{'s' * (num_nodes > 1)} from step {start_step}")
+            worker.out.say(
+                f"resumed from {resume_dir} at epoch {start_epoch + 1}" + (f" step {skip + 1}" if skip else "")
+            )
+        worker.out.say(
+            f"{world} worker{'s' * (world > 1)} on {num_nodes} node{'s' * (num_nodes > 1)} from step {start_step}"
+        )
         run = locate(cfg.storage_path, "--storage-path").child(cfg.name)
         worker.log = RunLog(run, start_step, cfg.global_batch_size)  # metrics.csv, TensorBoard, curves.png
     worker.progress = Progress(cfg.epochs, data.steps_per_epoch, cfg.global_batch_size, start_step, cfg.log_every)
@@ -168,14 +181,18 @@ def build_ddp(cfg: DDPConfig, meta, world: int, device: torch.device) -> Distrib
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def build_worker(cfg: DDPConfig, rank: int, world: int, device: torch.device, ddp: DistributedDataParallel, steps_per_epoch: int) -> Worker:
+def build_worker(
+    cfg: DDPConfig, rank: int, world: int, device: torch.device, ddp: DistributedDataParallel, steps_per_epoch: int
+) -> Worker:
     """The optimizer at the schedule's peak lr, the schedule per global step, the fp16 GradScaler."""
     schedule = schedule_for(cfg, steps_per_epoch)
     optimizer = build_optimizer(ddp.parameters(), cfg.optimizer, schedule.peak_lr, cfg.momentum, cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     autocast = autocast_for(cfg.precision, device)
-    return Worker(cfg, rank, world, device, ddp, optimizer, scheduler, scaler, autocast, FaultSpec.parse(cfg.inject_fault))
+    return Worker(
+        cfg, rank, world, device, ddp, optimizer, scheduler, scaler, autocast, FaultSpec.parse(cfg.inject_fault)
+    )
 
 
 def restore(worker: Worker, steps_per_epoch: int) -> tuple[str | None, int, int, tuple[float, float]]:
@@ -202,7 +219,9 @@ def restore(worker: Worker, steps_per_epoch: int) -> tuple[str | None, int, int,
     return resume_dir, start_epoch, skip, carried
 
 
-def train_epoch(worker: Worker, data: Data, epoch: int, first: int, carried: tuple[float, float]) -> tuple[list[float], float, float]:
+def train_epoch(
+    worker: Worker, data: Data, epoch: int, first: int, carried: tuple[float, float]
+) -> tuple[list[float], float, float]:
     """Steps ``first``.. of ``epoch``, with a checkpoint after every global step --checkpoint-every-steps
     divides; returns the epoch's all-reduced (loss sum, samples, samples trained here), the lr its
     last step trained with, and its seconds."""
@@ -232,7 +251,14 @@ def train_epoch(worker: Worker, data: Data, epoch: int, first: int, carried: tup
                 worker.log.step(global_step + 1, epoch + 1, running_loss, step_lr)
         if step + 1 < steps_per_epoch and checkpoint_due(cfg, epoch, step + 1, steps_per_epoch):
             epoch_loss = all_reduce_sum([loss_sum, samples], worker.device)
-            report(worker, {"global_step": global_step + 1, "world_size": worker.world}, epoch, step + 1, epoch_loss, due=True)
+            report(
+                worker,
+                {"global_step": global_step + 1, "world_size": worker.world},
+                epoch,
+                step + 1,
+                epoch_loss,
+                due=True,
+            )
         maybe_inject_fault(worker.fault, worker.rank, f"s{global_step + 1}")
     seconds = time.perf_counter() - started
     return all_reduce_sum([loss_sum, samples, float(trained)], worker.device), step_lr, seconds
@@ -259,8 +285,11 @@ def train_step(worker: Worker, to_input: Callable, micro: list, loss_sum: torch.
     return count, step_lr
 
 
-def epoch_metrics(worker: Worker, data: Data, epoch: int, sums: list[float], step_lr: float, seconds: float, num_nodes: int) -> dict:
-    """The epoch's metrics from its all-reduced training ``sums`` and an exact evaluation; non-finite ones end the run."""
+def epoch_metrics(
+    worker: Worker, data: Data, epoch: int, sums: list[float], step_lr: float, seconds: float, num_nodes: int
+) -> dict:
+    """The epoch's metrics from its all-reduced training ``sums`` and an exact evaluation; non-finite ones
+    end the run."""
     train_loss_sum, train_samples, trained_here = sums
     metrics = {
         "epoch": epoch + 1,
@@ -284,7 +313,9 @@ def report_epoch(worker: Worker, metrics: dict, epoch: int, steps_per_epoch: int
     if worker.rank == 0:
         worker.out.say(epoch_line(metrics, worker.cfg.epochs))
         worker.log.epoch(done, metrics)
-    report(worker, metrics, epoch, 0, (0.0, 0.0), due=checkpoint_due(worker.cfg, epoch, steps_per_epoch, steps_per_epoch))
+    report(
+        worker, metrics, epoch, 0, (0.0, 0.0), due=checkpoint_due(worker.cfg, epoch, steps_per_epoch, steps_per_epoch)
+    )
 
 
 def report(worker: Worker, metrics: dict, epoch: int, step: int, epoch_loss: Any, due: bool) -> None:
@@ -293,9 +324,14 @@ def report(worker: Worker, metrics: dict, epoch: int, step: int, epoch_loss: Any
     checkpoint = None
     if due and worker.rank == 0:
         train_state = checkpoint_state(
-            epoch, step, epoch_loss, optimizer=worker.optimizer.state_dict(), scheduler=worker.scheduler.state_dict(),
-            scaler=worker.scaler.state_dict(), world_size_history=worker.history,
-        )  # fmt: skip
+            epoch,
+            step,
+            epoch_loss,
+            optimizer=worker.optimizer.state_dict(),
+            scheduler=worker.scheduler.state_dict(),
+            scaler=worker.scaler.state_dict(),
+            world_size_history=worker.history,
+        )
         checkpoint = (plain_state_dict(worker.ddp), train_state, to_yaml(worker.cfg))
     report_checkpoint(metrics, checkpoint_name(epoch + 1, step), checkpoint, worker.log)
 

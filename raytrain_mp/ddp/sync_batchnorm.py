@@ -73,9 +73,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         else:
             # An empty rank still joins the all_gather; its zero count removes it from the merge.
             local_mean = local_m2 = input.new_zeros(channels, dtype=torch.float64)
-        local = torch.cat(
-            [torch.tensor([count], dtype=torch.float64, device=input.device), local_mean, local_m2]
-        )
+        local = torch.cat([torch.tensor([count], dtype=torch.float64, device=input.device), local_mean, local_m2])
         world_size = dist.get_world_size(process_group)
         gathered = [torch.empty_like(local) for _ in range(world_size)]
         dist.all_gather(gathered, local, group=process_group)
@@ -227,9 +225,7 @@ def _target_device(module: nn.Module, device: torch.device | str | None) -> torc
 
 def _to_portable(module: nn.Module, process_group: Any | None) -> nn.Module:
     converted = module
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
-        module, PortableSyncBatchNorm
-    ):
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, PortableSyncBatchNorm):
         converted = PortableSyncBatchNorm(
             module.num_features,
             module.eps,

@@ -18,24 +18,31 @@ import time
 from collections.abc import Sequence
 
 from ray.train import (
-    CheckpointConfig, ControllerError, FailureConfig, LoggingConfig, RunConfig, ScalingConfig, TrainingFailedError,
-    UserCallback, WorkerGroupError,
+    CheckpointConfig,
+    ControllerError,
+    FailureConfig,
+    LoggingConfig,
+    RunConfig,
+    ScalingConfig,
+    TrainingFailedError,
+    UserCallback,
+    WorkerGroupError,
 )
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_mp.checkpointing import MODEL_FILE, write_result
-from raytrain_mp.config import absolute_path
-from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.cluster import check_fits, environment, resolve_use_gpu, train_log_level
+from raytrain_mp.config import absolute_path
 from raytrain_mp.data.dataset import checked_dataset
-from raytrain_mp.errors import RunFailedError, UsageError
-from raytrain_mp.faults import first_line, short_cause
-from raytrain_mp.models import check_model
-from raytrain_mp.storage import check_reachable, join, locate, name_of
+from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.loop import train_loop_per_worker
 from raytrain_mp.ddp.watch import Watch
+from raytrain_mp.errors import RunFailedError, UsageError
+from raytrain_mp.faults import first_line, short_cause
 from raytrain_mp.interruption import Interrupted
+from raytrain_mp.models import check_model
 from raytrain_mp.progress import Console
+from raytrain_mp.storage import check_reachable, join, locate, name_of
 
 
 def with_checked_data(cfg: DDPConfig) -> DDPConfig:

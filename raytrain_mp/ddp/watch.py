@@ -85,7 +85,9 @@ class Watch:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         # Restarted by Ray if its process dies (its lines in flight are lost, the handles rank 0
         # holds stay valid): a lost board must not end a run that trains on.
-        self.board = Board.options(name=self.name, scheduling_strategy=here, max_restarts=-1, max_task_retries=-1).remote()
+        self.board = Board.options(
+            name=self.name, scheduling_strategy=here, max_restarts=-1, max_task_retries=-1
+        ).remote()
         self.position: tuple[int, int] | None = None
 
     def show(self) -> None:
@@ -106,7 +108,9 @@ class Watch:
             except BaseException as exc:  # handed to the main thread, which raises it
                 outcome["error"] = exc
 
-        thread = threading.Thread(target=target, name="raytrain-mp-fit", daemon=True)  # daemon: an interrupt does not wait for it
+        thread = threading.Thread(
+            target=target, name="raytrain-mp-fit", daemon=True
+        )  # daemon: an interrupt does not wait for it
         thread.start()
         while thread.is_alive():
             thread.join(POLL_S)

@@ -3,8 +3,9 @@
 Accepted: a checkpoint folder (``model.pt``, ``config.yaml``, ``train_state.pt``, as ddp, pipeline
 and a sweep's trials write them), a run folder (``STORAGE/NAME`` or a sweep's ``train-<trial>``:
 its newest complete ``checkpoint_*``, in the order ``checkpointing.checkpoint_order`` gives:
-``checkpoint_000001_step_000010`` < ``checkpoint_000001`` < ``checkpoint_000002``), a sweep's experiment folder (its best
-trial's run, by the sweep's ``--metric``, as ``best.yaml`` chose it), or a URI of any of these.
+``checkpoint_000001_step_000010`` < ``checkpoint_000001`` < ``checkpoint_000002``), a sweep's
+experiment folder (its best trial's run, by the sweep's ``--metric``, as ``best.yaml`` chose it), or a
+URI of any of these.
 
 Invariants:
 - The model is rebuilt from the run's own ``config.yaml`` (``model``, ``small_stem``,
@@ -33,7 +34,9 @@ from raytrain_mp.storage import COMPLETE_MARKER, Location, locate
 from raytrain_mp.tune.config import SWEEP_FILE, metric_mode
 
 OPTION = "--checkpoint"
-ACCEPTED = "accepted: a run folder or a checkpoint folder written by raytrain-mp ddp, pipeline or tune, or a URI of either"
+ACCEPTED = (
+    "accepted: a run folder or a checkpoint folder written by raytrain-mp ddp, pipeline or tune, or a URI of either"
+)
 
 
 def resolve_checkpoint(spec: str) -> Location:
@@ -46,7 +49,10 @@ def resolve_checkpoint(spec: str) -> Location:
     if any(folder.child(name).is_file() for name in CHECKPOINT_FILES):  # a checkpoint folder itself
         missing = missing_files(folder)
         if missing:
-            raise UsageError(f"{OPTION}: {spec} is a torn checkpoint (no {', '.join(missing)}); use another checkpoint of the run, or the run folder")
+            raise UsageError(
+                f"{OPTION}: {spec} is a torn checkpoint (no {', '.join(missing)}); use another checkpoint of the run, "
+                "or the run folder"
+            )
         return folder
     if folder.child(SWEEP_FILE).is_file():
         folder, spec = _best_trial_run(folder, spec)
@@ -54,7 +60,10 @@ def resolve_checkpoint(spec: str) -> Location:
     if complete:
         return complete[-1]
     if candidates:
-        raise UsageError(f"{OPTION}: {spec} holds {len(candidates)} checkpoint folder(s), none complete (torn: no {', '.join(missing_files(candidates[-1])) or COMPLETE_MARKER})")
+        raise UsageError(
+            f"{OPTION}: {spec} holds {len(candidates)} checkpoint folder(s), none complete (torn: no "
+            f"{', '.join(missing_files(candidates[-1])) or COMPLETE_MARKER})"
+        )
     raise UsageError(f"{OPTION}: {spec} holds no checkpoint; {ACCEPTED}")
 
 
@@ -67,12 +76,18 @@ def _best_trial_run(experiment: Location, spec: str) -> tuple[Location, str]:
 
     table = experiment.child(f"{TABLE_NAME}.parquet")
     if not table.is_file():
-        raise UsageError(f"{OPTION}: {spec} is a sweep without results yet (no {TABLE_NAME}.parquet); finish it with raytrain-mp tune --resume {spec}")
+        raise UsageError(
+            f"{OPTION}: {spec} is a sweep without results yet (no {TABLE_NAME}.parquet); finish it with raytrain-mp "
+            f"tune --resume {spec}"
+        )
     options = yaml.safe_load(experiment.child(SWEEP_FILE).read_bytes().decode()) or {}
     metric = options.get("metric", "val_accuracy")
     best = best_row(pq.read_table(io.BytesIO(table.read_bytes())).to_pylist(), metric, metric_mode(metric))
     if best is None or not best.get("run"):
-        raise UsageError(f"{OPTION}: {spec} is a sweep with no trial that reported {metric}; pass one of its train-<trial> run folders")
+        raise UsageError(
+            f"{OPTION}: {spec} is a sweep with no trial that reported {metric}; pass one of its train-<trial> run "
+            "folders"
+        )
     return experiment.child(best["run"]), f"{spec} (its best trial, {best['run']})"
 
 
@@ -105,13 +120,18 @@ class TrainedRun:
         from raytrain_mp.models import build_model
 
         meta = self.meta
-        model = build_model(self.model_name, meta.num_classes, meta.channels, self.options.get("small_stem"), image_size=meta.image_size)
+        model = build_model(
+            self.model_name, meta.num_classes, meta.channels, self.options.get("small_stem"), image_size=meta.image_size
+        )
         state = read_state(locate(self.checkpoint, OPTION)) if state is None else state
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as exc:
             first = (str(exc).splitlines()[1:2] or [str(exc)])[0].strip()
-            raise UsageError(f"{OPTION}: {self.checkpoint}/{MODEL_FILE} does not fit the {self.model_name} its config.yaml names: {first}") from None
+            raise UsageError(
+                f"{OPTION}: {self.checkpoint}/{MODEL_FILE} does not fit the {self.model_name} its config.yaml names: "
+                f"{first}"
+            ) from None
         return model.to(self.dtype()).eval()
 
 
@@ -121,7 +141,9 @@ def read_state(checkpoint: Location) -> dict:
     try:
         return torch.load(io.BytesIO(checkpoint.child(MODEL_FILE).read_bytes()), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for a truncated or foreign file
-        raise UsageError(f"{OPTION}: {checkpoint.uri}/{MODEL_FILE} is torn or not a torch state dict ({type(exc).__name__})") from None
+        raise UsageError(
+            f"{OPTION}: {checkpoint.uri}/{MODEL_FILE} is torn or not a torch state dict ({type(exc).__name__})"
+        ) from None
 
 
 def read_options(checkpoint: Location) -> dict[str, Any]:
@@ -145,7 +167,9 @@ def load_run(spec: str) -> tuple[TrainedRun, Any]:
     try:
         meta = read_meta(data)
     except UsageError as exc:
-        raise UsageError(f"{OPTION}: the run at {checkpoint.uri} trained on {data}, which cannot be read: {exc}") from None
+        raise UsageError(
+            f"{OPTION}: the run at {checkpoint.uri} trained on {data}, which cannot be read: {exc}"
+        ) from None
     run = TrainedRun(checkpoint.uri, options, data, meta)
     state = read_state(checkpoint)
     return run, run.build(state)

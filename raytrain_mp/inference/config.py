@@ -32,9 +32,13 @@ class EvalConfig:
     """``raytrain-mp eval``: exact evaluation of a checkpoint on a split, on Ray Train workers."""
 
     checkpoint: str = option("", CHECKPOINT_HELP, group="checkpoints")
-    data: str | None = option(None, "prepared data set folder or URI to evaluate on (default: the one the run trained on)")
+    data: str | None = option(
+        None, "prepared data set folder or URI to evaluate on (default: the one the run trained on)"
+    )
     split: str = option("val", "split to evaluate", EVAL_SPLITS, group="data")
-    num_workers: int = option(2, "Ray Train workers (evaluation ranks; every sample is evaluated once, whatever the count)")
+    num_workers: int = option(
+        2, "Ray Train workers (evaluation ranks; every sample is evaluated once, whatever the count)"
+    )
     use_gpu: bool | None = option(None, "one GPU per worker (default: when the cluster has one for each worker)")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
     out: str = option("eval", "local folder for eval.json, confusion.png (class names on the axes) and predictions.csv")
@@ -57,7 +61,9 @@ class PredictConfig:
     files: tuple[str, ...] = option((), "image files (JPEG, PNG, any mode PIL reads) or folders of them", group="data")
     top_k: int = option(5, "classes reported per file, most probable first", group="output")
     csv: str | None = option(None, "also write the predictions as CSV to this local file", group="output")
-    address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray); used when there are many files")
+    address: str | None = option(
+        None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray); used when there are many files"
+    )
     verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
     json: bool = False
 
@@ -74,7 +80,12 @@ class ExportConfig:
     """``raytrain-mp export``: the checkpoint's model as an ONNX, ``torch.export`` (.pt2) or TorchScript file."""
 
     checkpoint: str = option("", CHECKPOINT_HELP, group="checkpoints")
-    format: str = option("onnx", "onnx (needs pip install -e '.[export]') | pt2 (torch.export) | torchscript", EXPORT_FORMATS, group="output")
+    format: str = option(
+        "onnx",
+        "onnx (needs pip install -e '.[export]') | pt2 (torch.export) | torchscript",
+        EXPORT_FORMATS,
+        group="output",
+    )
     out: str = option("", "local file to write the exported model to")
     json: bool = False
 

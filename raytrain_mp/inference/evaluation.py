@@ -94,7 +94,9 @@ def eval_loop_per_worker(config: dict) -> None:
     autocast = autocast_for(run.precision, device)
     meta = read_meta(job.data)
     dataset = ParquetImageDataset(job.data, job.split, meta=meta)
-    loader = make_loader(dataset, BATCH, EpochKeys(ShardSampler(len(dataset), rank, world)), workers=0, persistent=False)
+    loader = make_loader(
+        dataset, BATCH, EpochKeys(ShardSampler(len(dataset), rank, world)), workers=0, persistent=False
+    )
     to_input = partial(BatchTransform(tuple(run.meta.mean), tuple(run.meta.std)), device=device, dtype=dtype)
     k = meta.num_classes
     top = min(TOP_K, k)
@@ -106,7 +108,9 @@ def eval_loop_per_worker(config: dict) -> None:
             x, y = to_input(images, params), y.to(device)
             with autocast():
                 logits = model(x)
-            loss_sum += nn.functional.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y, reduction="sum").item()
+            loss_sum += nn.functional.cross_entropy(
+                logits.to(torch.promote_types(logits.dtype, torch.float32)), y, reduction="sum"
+            ).item()
             guess = logits.argmax(dim=1)
             correct += (guess == y).sum().item()
             correct_top += (logits.topk(top, dim=1).indices == y[:, None]).any(dim=1).sum().item()
@@ -125,15 +129,19 @@ def eval_loop_per_worker(config: dict) -> None:
     for r, preds in enumerate(gathered):
         in_order[r::world] = preds  # rank r held indices r, r + W, ... in order
     if rank == 0:  # Ray Train keeps metrics only with a checkpoint; the result travels back through an actor
-        ray.get(config["results"].put.remote({
-        "loss": loss_sum / count,
-        "accuracy": correct / count,
-        f"top{top}_accuracy": correct_top / count,
-        "count": int(count),
-        "confusion": confusion.view(k, k).long().tolist(),
-        "predicted": in_order,
-        "world_size": world,
-    }))  # fmt: skip
+        ray.get(
+            config["results"].put.remote(
+                {
+                    "loss": loss_sum / count,
+                    "accuracy": correct / count,
+                    f"top{top}_accuracy": correct_top / count,
+                    "count": int(count),
+                    "confusion": confusion.view(k, k).long().tolist(),
+                    "predicted": in_order,
+                    "world_size": world,
+                }
+            )
+        )
 
 
 def run_eval(cfg: EvalConfig) -> dict:
@@ -150,10 +158,17 @@ def run_eval(cfg: EvalConfig) -> dict:
             eval_loop_per_worker,
             train_loop_config={"job": job, "results": results},
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-            scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": 1, **({"GPU": 1} if use_gpu else {})}),
-            run_config=RunConfig(name=time.strftime("eval-%Y%m%d-%H%M%S"), storage_path=storage,
-                                 logging_config=LoggingConfig(log_level=train_log_level(cfg.verbose))),
-        )  # fmt: skip
+            scaling_config=ScalingConfig(
+                num_workers=cfg.num_workers,
+                use_gpu=use_gpu,
+                resources_per_worker={"CPU": 1, **({"GPU": 1} if use_gpu else {})},
+            ),
+            run_config=RunConfig(
+                name=time.strftime("eval-%Y%m%d-%H%M%S"),
+                storage_path=storage,
+                logging_config=LoggingConfig(log_level=train_log_level(cfg.verbose)),
+            ),
+        )
         trainer.fit()
     metrics = ray.get(results.get.remote())
     ray.kill(results)

@@ -51,7 +51,9 @@ def check_dependencies(fmt: str) -> None:
         return
     missing = [name for name in ONNX_MODULES if not _importable(name)]
     if missing:
-        raise UsageError(f"--format onnx: needs {', '.join(missing)}, which are not installed; install the export extra: {EXTRA}")
+        raise UsageError(
+            f"--format onnx: needs {', '.join(missing)}, which are not installed; install the export extra: {EXTRA}"
+        )
 
 
 def check_batches(channels: int, height: int, width: int) -> list[torch.Tensor]:
@@ -62,8 +64,15 @@ def check_batches(channels: int, height: int, width: int) -> list[torch.Tensor]:
 def _export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> None:
     batch = torch.export.Dim("batch", min=1, max=4096)
     with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its progress
-        program = torch.onnx.export(model, (example,), dynamo=True, input_names=["images"], output_names=["logits"],
-                                    dynamic_shapes={"x": {0: batch}}, verbose=False)  # fmt: skip
+        program = torch.onnx.export(
+            model,
+            (example,),
+            dynamo=True,
+            input_names=["images"],
+            output_names=["logits"],
+            dynamic_shapes={"x": {0: batch}},
+            verbose=False,
+        )
     program.save(str(path))
 
 
@@ -130,7 +139,10 @@ def export_model(model: nn.Module, fmt: str, out: str | Path, channels: int, hei
         with torch.no_grad():
             difference = max((run(Path(tmp), x).float() - model(x)).abs().max().item() for x in batches)
         if not difference <= TOLERANCE[fmt]:
-            raise ExportMismatch(f"the {fmt} export differs from the PyTorch model by {difference:.3g} (> {TOLERANCE[fmt]}); nothing written")
+            raise ExportMismatch(
+                f"the {fmt} export differs from the PyTorch model by {difference:.3g} (> {TOLERANCE[fmt]}); nothing "
+                "written"
+            )
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

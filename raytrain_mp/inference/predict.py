@@ -51,7 +51,7 @@ def probabilities(run: TrainedRun, images: list[torch.Tensor], model=None) -> to
     out = []
     with torch.no_grad():
         for start in range(0, len(images), BATCH):
-            batch = torch.stack(images[start:start + BATCH])
+            batch = torch.stack(images[start : start + BATCH])
             x = transform(batch, torch.zeros(len(batch), 3, dtype=torch.int64), device, run.dtype())
             with autocast():
                 logits = model(x)
@@ -66,7 +66,7 @@ def _ray_probabilities(cfg: PredictConfig, inputs: Inputs) -> torch.Tensor:
 
     task = ray.remote(num_cpus=1)(probabilities)
     with ray_connection(cfg.address, cfg.verbose):
-        refs = [task.remote(inputs.run, inputs.images[s:s + CHUNK]) for s in range(0, len(inputs.images), CHUNK)]
+        refs = [task.remote(inputs.run, inputs.images[s : s + CHUNK]) for s in range(0, len(inputs.images), CHUNK)]
         return torch.cat(ray.get(refs))
 
 
@@ -79,7 +79,12 @@ def run_predict(cfg: PredictConfig, inputs: Inputs) -> dict:
     top = min(cfg.top_k, len(names))
     values, indices = probs.topk(top, dim=1)
     predictions = [
-        {"file": str(file), "classes": [names[i] for i in idx.tolist()], "indices": idx.tolist(), "probabilities": vals.tolist()}
+        {
+            "file": str(file),
+            "classes": [names[i] for i in idx.tolist()],
+            "indices": idx.tolist(),
+            "probabilities": vals.tolist(),
+        }
         for file, vals, idx in zip(inputs.files, values, indices)
     ]
     result = {"checkpoint": inputs.run.checkpoint, "count": len(predictions), "top_k": top, "predictions": predictions}

@@ -51,8 +51,15 @@ def confusion_png(confusion: np.ndarray, names: list[str], title: str) -> bytes:
         peak = confusion.max() or 1
         for i in range(k):
             for j in range(k):
-                ax.text(j, i, str(int(confusion[i, j])), ha="center", va="center", fontsize=8,
-                        color="white" if confusion[i, j] > peak / 2 else "black")  # fmt: skip
+                ax.text(
+                    j,
+                    i,
+                    str(int(confusion[i, j])),
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white" if confusion[i, j] > peak / 2 else "black",
+                )
     fig.colorbar(image, ax=ax, fraction=0.046)
     return png_bytes(fig)
 
@@ -86,6 +93,10 @@ def write_eval_outputs(cfg, run, metrics: dict, names: list[str], labels: np.nda
     for i, (label, guess) in enumerate(zip(labels.tolist(), predicted.tolist())):
         writer.writerow([i, int(ids[i]), label, guess, names[label], names[guess]])
     _write(out / PREDICTIONS_FILE, rows.getvalue().encode())
-    return {**{k: v for k, v in summary.items() if k not in ("confusion", "per_class_accuracy", "class_names")},
-            "per_class_accuracy": summary["per_class_accuracy"],
-            "eval": str(out / EVAL_FILE), "confusion_png": str(out / CONFUSION_FILE), "predictions": str(out / PREDICTIONS_FILE)}  # fmt: skip
+    return {
+        **{k: v for k, v in summary.items() if k not in ("confusion", "per_class_accuracy", "class_names")},
+        "per_class_accuracy": summary["per_class_accuracy"],
+        "eval": str(out / EVAL_FILE),
+        "confusion_png": str(out / CONFUSION_FILE),
+        "predictions": str(out / PREDICTIONS_FILE),
+    }

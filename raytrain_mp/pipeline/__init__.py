@@ -1,18 +1,18 @@
 """Pipelined model parallelism: a model cut into stages, one Ray actor each, run by a schedule.
 
 Pure pieces (no Ray): ``block`` (what a block is), ``blocks`` (model -> named blocks; ``traced`` for a
-model cut from its torch.fx graph), ``partition`` (blocks -> stages),
-``schedule`` (the schedule registry: each one's torch class, limits, ideal bubble, stage layout), ``microbatch`` (batch -> micro-batches), ``deferred_bn``, ``replicas``
-(data x pipeline: rank layout, batch shares, replica placement, BatchNorm merge weights), ``handoff``
-(a batch to a stage actor, zero-copy), ``layouts`` (memory-format names), ``memory_format`` (a
-stage's layout: channels-last or contiguous inside, contiguous at its edges), ``busy_clock`` (the
-seconds a rank computes, timed on its device). Ray pieces:
-``feed`` (a replica's batches read on its first and last stage: ``StageData``),
-``stage`` (one rank's actor body, running torch.distributed.pipelining's schedules), ``replica_sync`` (what a
-stage's replicas all-reduce after each step), ``teardown`` (stopping actors: returns once they are dead),
-``blame`` (which rank a failed call names, from Ray's errors: a rule without a running Ray),
-``trainer`` (``PipelineTrainer``, the driver) and ``run`` (the
-``raytrain-mp pipeline`` training run over epochs); ``config`` holds its ``PipelineConfig``.
+model cut from its torch.fx graph), ``partition`` (blocks -> stages), ``schedule`` (the schedule
+registry: each one's torch class, limits, ideal bubble, stage layout), ``microbatch`` (batch ->
+micro-batches), ``deferred_bn``, ``replicas`` (data x pipeline: rank layout, batch shares, replica
+placement, BatchNorm merge weights), ``handoff`` (a batch to a stage actor, zero-copy), ``layouts``
+(memory-format names), ``memory_format`` (a stage's layout: channels-last or contiguous inside,
+contiguous at its edges), ``busy_clock`` (the seconds a rank computes, timed on its device). Ray pieces:
+``feed`` (a replica's batches read on its first and last stage: ``StageData``), ``stage`` (one rank's
+actor body, running torch.distributed.pipelining's schedules), ``replica_sync`` (what a stage's replicas
+all-reduce after each step), ``teardown`` (stopping actors: returns once they are dead), ``blame``
+(which rank a failed call names, from Ray's errors: a rule without a running Ray), ``trainer``
+(``PipelineTrainer``, the driver) and ``run`` (the ``raytrain-mp pipeline`` training run over epochs);
+``config`` holds its ``PipelineConfig``.
 
 May import: the shared layer (``raytrain_mp.config``, ``checkpointing``, ``cluster``, ``storage``, ``errors``,
 ``lr_schedule``, ``models``, ``optim``) and ``raytrain_mp.data``; no other capability.
@@ -29,10 +29,32 @@ _EXPORTS = {
     **dict.fromkeys(("StageModule", "block_parameter_counts", "flatten_model"), "blocks"),
     **dict.fromkeys(("DeferredBatchNorm", "commit_deferred_batchnorm", "convert_deferred_batchnorm"), "deferred_bn"),
     **dict.fromkeys(("MicroBatch", "check_microbatches", "split_batch"), "microbatch"),
-    **dict.fromkeys(("BALANCE_MODES", "StagePlan", "balance_bounds", "balance_fill_drain_bounds", "plan_stages",
-                     "profile_blocks", "split_bounds"), "partition"),
-    **dict.fromkeys(("SCHEDULES", "Schedule", "build_schedule", "check_schedule", "clock_ticks", "gpipe", "ideal_bubble",
-                     "one_f_one_b", "stage_indices"), "schedule"),
+    **dict.fromkeys(
+        (
+            "BALANCE_MODES",
+            "StagePlan",
+            "balance_bounds",
+            "balance_fill_drain_bounds",
+            "plan_stages",
+            "profile_blocks",
+            "split_bounds",
+        ),
+        "partition",
+    ),
+    **dict.fromkeys(
+        (
+            "SCHEDULES",
+            "Schedule",
+            "build_schedule",
+            "check_schedule",
+            "clock_ticks",
+            "gpipe",
+            "ideal_bubble",
+            "one_f_one_b",
+            "stage_indices",
+        ),
+        "schedule",
+    ),
     **dict.fromkeys(("PLACEMENT_STRATEGIES", "PipelineTrainer", "StageFailedError"), "trainer"),
     "StageData": "feed",
 }

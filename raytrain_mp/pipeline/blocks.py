@@ -175,7 +175,9 @@ class StageModule(nn.Module):
         elif isinstance(target, nn.Parameter):
             owner.register_parameter(leaf, target)
         else:  # a buffer, or a constant the tracer stored on the model
-            owner.register_buffer(leaf, target, persistent=leaf in source._buffers and leaf not in source._non_persistent_buffers_set)
+            owner.register_buffer(
+                leaf, target, persistent=leaf in source._buffers and leaf not in source._non_persistent_buffers_set
+            )
 
     def forward(self, x: Tensor) -> Tensor:
         carry: Carry = x

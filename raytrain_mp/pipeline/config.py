@@ -14,7 +14,6 @@ from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline.layouts import MEMORY_FORMATS
 from raytrain_mp.pipeline.schedule import SCHEDULES, check_schedule
 
-
 # PipelineTrainer's errors name its Python arguments; on the command line they are these flags.
 FLAG_OF_ARGUMENT = {
     "num_stages": "--stages",
@@ -46,39 +45,54 @@ PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
 class PipelineConfig(TrainOptions):
     precision: str = option("fp32", "fp32 | bf16 (autocast) | fp64 (verification)", ("fp32", "bf16", "fp64"))
     stages: int = option(2, "pipeline stages, one Ray actor each")
-    replicas: int = option(1, "data-parallel copies of the pipeline, each on its share of every batch: --replicas x --stages actors")
-    split_points: list | None = option(None, "cut before these modules, e.g. layer3 (the seeds' split); overrides --balance")
+    replicas: int = option(
+        1, "data-parallel copies of the pipeline, each on its share of every batch: --replicas x --stages actors"
+    )
+    split_points: list | None = option(
+        None, "cut before these modules, e.g. layer3 (the seeds' split); overrides --balance"
+    )
     balance: str = option("time", "cut stages by measured time, parameter count, or none (= params)", BALANCES)
     balance_trials: int = option(
-        0, "with --balance time: timed steps of the profile's cut on the stage actors, then of the cut of the profile "
-        "rescaled to what each stage measured, while new (3 cuts at most); the cut that waits least stays (0: the profile decides)"
+        0,
+        "with --balance time: timed steps of the profile's cut on the stage actors, then of the cut of the profile "
+        "rescaled to what each stage measured, while new (3 cuts at most); the cut that waits least stays (0: the "
+        "profile decides)",
     )
     schedule: str = option("gpipe", "pipeline schedule (torch.distributed.pipelining's)", SCHEDULES)
-    virtual_stages: int = option(1, "stages per Ray actor for the interleaved schedules: the model is cut into --stages x this")
-    microbatches: int = option(4, "micro-batches per batch (m) of each replica; --replicas x m must divide --global-batch-size")
+    virtual_stages: int = option(
+        1, "stages per Ray actor for the interleaved schedules: the model is cut into --stages x this"
+    )
+    microbatches: int = option(
+        4, "micro-batches per batch (m) of each replica; --replicas x m must divide --global-batch-size"
+    )
     steps_per_call: int = option(
-        1, "optimizer steps each stage actor runs per Ray call (Keras's steps_per_execution): more shares the call's "
-        "cost between steps, for models whose step takes milliseconds"
-    )  # fmt: skip
+        1,
+        "optimizer steps each stage actor runs per Ray call (Keras's steps_per_execution): more shares the call's "
+        "cost between steps, for models whose step takes milliseconds",
+    )
     global_batch_size: int = option(64, "samples per optimizer step (all micro-batches)", aliases=("batch_size",))
     use_gpu: bool | None = option(None, "one GPU per stage (default: when the cluster has one for each stage)")
     cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
     placement: str = option("STRICT_PACK", "placement group strategy of the stages", PLACEMENTS)
     deferred_bn: bool = option(False, "BatchNorm running statistics committed once per batch (torchgpipe)")
     memory_format: str = option(
-        "auto", "layout each stage computes in: measured per stage (the faster of channels-last and contiguous), "
-        "channels_last (NHWC) or contiguous; tensors between stages are contiguous either way", MEMORY_FORMATS,
+        "auto",
+        "layout each stage computes in: measured per stage (the faster of channels-last and contiguous), "
+        "channels_last (NHWC) or contiguous; tensors between stages are contiguous either way",
+        MEMORY_FORMATS,
     )
     clip_grad_norm: float | None = option(None, "clip the global gradient norm across all stages")
     loader_workers: int = option(
-        0, "loader processes of each replica's first stage that read and decode its share of every batch on its node "
-        "(0: read in the stage actor); its Ray bundle reserves a CPU for each"
-    )  # fmt: skip
+        0,
+        "loader processes of each replica's first stage that read and decode its share of every batch on its node "
+        "(0: read in the stage actor); its Ray bundle reserves a CPU for each",
+    )
     loader_prefetch: int = option(2, "batches each loader process keeps ready")
     checkpoint_every_steps: int | None = option(
-        None, "also checkpoint every this many optimizer steps, with the position in the epoch's sample order "
-        "(a restart then loses at most this many steps)"
-    )  # fmt: skip
+        None,
+        "also checkpoint every this many optimizer steps, with the position in the epoch's sample order "
+        "(a restart then loses at most this many steps)",
+    )
     FAULTS_AT_STEPS = True  # --inject-fault also takes sSTEP: after a global step
 
     def validate(self) -> None:
@@ -123,7 +137,11 @@ class PipelineConfig(TrainOptions):
         check(self.loader_prefetch >= 1, "loader_prefetch", f"must be >= 1, got {self.loader_prefetch}")
         every = self.checkpoint_every_steps
         check(every is None or every >= 1, "checkpoint_every_steps", f"must be >= 1, got {every}")
-        check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", f"must be > 0, got {self.clip_grad_norm}")
+        check(
+            self.clip_grad_norm is None or self.clip_grad_norm > 0,
+            "clip_grad_norm",
+            f"must be > 0, got {self.clip_grad_norm}",
+        )
         if self.split_points is not None:
             parts = self.stages * self.virtual_stages
             check(

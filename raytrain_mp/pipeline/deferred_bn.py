@@ -29,8 +29,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 class DeferredBatchNorm(_BatchNorm):
     """BatchNorm (any dimensionality) with running statistics committed by ``commit()``."""
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True, device=device, dtype=dtype)
         factory = {"device": device, "dtype": dtype}
         self._count = 0  # a Python int: exact however many values pass
@@ -86,8 +93,14 @@ def convert_deferred_batchnorm(module: nn.Module) -> nn.Module:
     converting. Returns the converted module (a new object when ``module`` itself is a BatchNorm).
     """
     if isinstance(module, _BatchNorm) and module.track_running_stats and not isinstance(module, DeferredBatchNorm):
-        deferred = DeferredBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                     device=module.running_mean.device, dtype=module.running_mean.dtype)
+        deferred = DeferredBatchNorm(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            device=module.running_mean.device,
+            dtype=module.running_mean.dtype,
+        )
         if module.affine:
             deferred.weight, deferred.bias = module.weight, module.bias
         deferred.running_mean, deferred.running_var = module.running_mean, module.running_var

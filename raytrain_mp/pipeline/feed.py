@@ -56,9 +56,15 @@ class StageData:
 
     def check(self, meta: DatasetMeta) -> None:
         if self.loader_workers < 0 or self.loader_prefetch < 1:
-            raise UsageError(f"data: loader_workers must be >= 0 and loader_prefetch >= 1, got {self.loader_workers} and {self.loader_prefetch}")
+            raise UsageError(
+                f"data: loader_workers must be >= 0 and loader_prefetch >= 1, got {self.loader_workers} and "
+                f"{self.loader_prefetch}"
+            )
         if not 1 <= self.global_batch_size <= meta.counts["train"]:
-            raise UsageError(f"data: global_batch_size {self.global_batch_size} must be between 1 and the {meta.counts['train']} training samples")
+            raise UsageError(
+                f"data: global_batch_size {self.global_batch_size} must be between 1 and the {meta.counts['train']} "
+                "training samples"
+            )
 
     @property
     def val_batch(self) -> int:
@@ -102,9 +108,15 @@ class StageFeed:
     last (``labels``)."""
 
     def __init__(
-        self, data: StageData, replica: int, num_replicas: int, device: torch.device, dtype: torch.dtype,
-        images: bool, labels: bool,
-    ) -> None:  # fmt: skip
+        self,
+        data: StageData,
+        replica: int,
+        num_replicas: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        images: bool,
+        labels: bool,
+    ) -> None:
         meta = read_meta(data.root)
         self.data = data
         self.share = data.global_batch_size // num_replicas
@@ -121,9 +133,13 @@ class StageFeed:
         self._order: tuple[int, list[Tensor]] | None = None  # (epoch, its index batches)
         if images:
             loading = {"workers": data.loader_workers, "prefetch": data.loader_prefetch, "pin": device.type == "cuda"}
-            self._sampler = EpochKeys(ShareSampler(len(train), data.global_batch_size, data.seed, num_replicas, replica))
+            self._sampler = EpochKeys(
+                ShareSampler(len(train), data.global_batch_size, data.seed, num_replicas, replica)
+            )
             self._train_loader = make_loader(train, self.share, self._sampler, **loading)
-            self._val_loader = make_loader(val, data.val_batch, EpochKeys(SequentialSampler(val)), **loading, persistent=False)
+            self._val_loader = make_loader(
+                val, data.val_batch, EpochKeys(SequentialSampler(val)), **loading, persistent=False
+            )
             self._to_input = partial(train.transform, device=device, dtype=dtype)
             self._to_val_input = partial(val.transform, device=device, dtype=dtype)
 
@@ -162,4 +178,3 @@ class StageFeed:
 def val_chunks(count: int, batch_size: int, num_microbatches: int) -> list[int]:
     """How many micro-batches each val batch runs in: m, or fewer for a batch smaller than m."""
     return [min(num_microbatches, size) for size in val_batch_sizes(count, batch_size)]
-

@@ -28,15 +28,29 @@ import torch
 from torch import Tensor
 
 # The dtypes whose NumPy view holds the same bytes and comes back as the same torch dtype.
-_NUMPY_DTYPES = frozenset({
-    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool,
-})  # fmt: skip
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
 
 
 def to_wire(tensor: Tensor) -> np.ndarray | Tensor:
     """What to put in the actor call for ``tensor``: a NumPy view of it where one exists."""
-    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_DTYPES and tensor.is_contiguous() and not tensor.requires_grad:
+    if (
+        tensor.device.type == "cpu"
+        and tensor.dtype in _NUMPY_DTYPES
+        and tensor.is_contiguous()
+        and not tensor.requires_grad
+    ):
         return tensor.numpy()
     return tensor
 

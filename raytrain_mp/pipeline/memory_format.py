@@ -82,7 +82,11 @@ def in_layout(module: nn.Module, layout: str) -> nn.Module:
 
 
 def faster_layout(
-    module: nn.Module, sample: Tensor, input_grad: bool, wrap: Callable[[nn.Module], nn.Module] = lambda m: m, repeats: int = 2
+    module: nn.Module,
+    sample: Tensor,
+    input_grad: bool,
+    wrap: Callable[[nn.Module], nn.Module] = lambda m: m,
+    repeats: int = 2,
 ) -> str:
     """The layout in which a copy of ``module`` (run through ``wrap``, e.g. under autocast) takes
     the least forward+backward seconds on ``sample`` (with its gradient when ``input_grad``, as

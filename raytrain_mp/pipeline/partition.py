@@ -174,11 +174,7 @@ def balance_fill_drain_bounds(
     target = without_negligible if without_negligible <= best + floor else best
     # The cuts with J <= target, as the union over caps on F of those whose every stage has F <= cap
     # and cap + B <= target: a cut's own largest F is such a cap.
-    boxes = [
-        _both(_at_most(pf, cap), _within_score(pb, cap, target))
-        for cap in caps
-        if cap + least_backward <= target
-    ]
+    boxes = [_both(_at_most(pf, cap), _within_score(pb, cap, target)) for cap in caps if cap + least_backward <= target]
     smallest_of_box = [_largest_smallest_stage(size, num_stages, box) for box in boxes]
     smallest = max(smallest_of_box)
     chosen = (

@@ -63,9 +63,11 @@ def snapshot(modules: Sequence[nn.Module]) -> list[_Snapshot]:
         _Snapshot(layer, layer.running_mean.clone(), layer.running_var.clone(), int(layer.num_batches_tracked))
         for module in modules
         for layer in module.modules()
-        if isinstance(layer, _BatchNorm) and not isinstance(layer, DeferredBatchNorm)
-        and layer.track_running_stats and layer.training
-    ]  # fmt: skip
+        if isinstance(layer, _BatchNorm)
+        and not isinstance(layer, DeferredBatchNorm)
+        and layer.track_running_stats
+        and layer.training
+    ]
 
 
 @torch.no_grad()

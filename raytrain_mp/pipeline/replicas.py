@@ -70,7 +70,10 @@ def replica_nodes(
     """A node id per replica that can hold all its stages' ``bundles``, the replicas spread over
     as many nodes as can hold one (``nodes``: id -> total resources); None where none is left."""
     need = replica_resources(bundles)
-    room = {node: min(int(have.get(key, 0) // amount) for key, amount in need.items() if amount) for node, have in nodes.items()}
+    room = {
+        node: min(int(have.get(key, 0) // amount) for key, amount in need.items() if amount)
+        for node, have in nodes.items()
+    }
     placed = dict.fromkeys(nodes, 0)
     chosen: list[str | None] = []
     for _ in range(num_replicas):

@@ -70,23 +70,23 @@ from raytrain_mp.checkpointing import (
     write_result,
 )
 from raytrain_mp.config import FaultSpec, absolute_path, to_yaml
-from raytrain_mp.pipeline.config import PipelineConfig, as_flag_error
 from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
+from raytrain_mp.epochs import build_run_model, checkpoint_due, due_by_steps, epoch_line
 from raytrain_mp.errors import RunFailedError, UsageError
 from raytrain_mp.interruption import Interrupted
-from raytrain_mp.progress import Console, Progress
-from raytrain_mp.epochs import build_run_model, checkpoint_due, due_by_steps, epoch_line
-from raytrain_mp.storage import Location, check_reachable, latest_complete, locate
 from raytrain_mp.lr_schedule import schedule_for
 from raytrain_mp.models import check_model
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
 from raytrain_mp.pipeline.blocks import flatten_model
+from raytrain_mp.pipeline.config import PipelineConfig, as_flag_error
 from raytrain_mp.pipeline.feed import StageData
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
 from raytrain_mp.pipeline.replicas import replica_and_stage
 from raytrain_mp.pipeline.schedule import stage_times_bubble
+from raytrain_mp.progress import Console, Progress
 from raytrain_mp.run_log import RunLog
+from raytrain_mp.storage import Location, check_reachable, latest_complete, locate
 
 
 def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
@@ -133,7 +133,9 @@ def with_saved_split(cfg: PipelineConfig, names: list[str]) -> PipelineConfig:
     where = f"{resume.uri} was trained with {len(saved) + 1} stages cut before {','.join(saved) or '(nothing)'}"
     parts = cfg.stages * cfg.virtual_stages
     actors = len(train_state["optimizer"])  # one optimizer state per stage actor
-    same_cut = cfg.split_points is None or split_bounds(names, cfg.split_points, parts) == split_bounds(names, saved, len(saved) + 1)
+    same_cut = cfg.split_points is None or split_bounds(names, cfg.split_points, parts) == split_bounds(
+        names, saved, len(saved) + 1
+    )
     if not same_cut:
         raise UsageError(
             f"--split-points: {where}, not {','.join(cfg.split_points)}; "
@@ -149,10 +151,14 @@ def with_saved_split(cfg: PipelineConfig, names: list[str]) -> PipelineConfig:
     return dataclasses.replace(cfg, split_points=saved)
 
 
-def save_checkpoint(cfg: PipelineConfig, trainer: PipelineTrainer, run: Location, log: RunLog, epoch: int, step: int, loss_sum: float) -> Location:
+def save_checkpoint(
+    cfg: PipelineConfig, trainer: PipelineTrainer, run: Location, log: RunLog, epoch: int, step: int, loss_sum: float
+) -> Location:
     """Checkpoint after ``step`` steps of ``epoch`` (from 0), or after the whole epoch when ``step``
     is 0; ``loss_sum`` is the sum of that epoch's step losses so far."""
-    train_state = checkpoint_state(epoch, step, loss_sum, optimizer=trainer.optimizer_state_dicts(), split_points=cfg.split_points)
+    train_state = checkpoint_state(
+        epoch, step, loss_sum, optimizer=trainer.optimizer_state_dicts(), split_points=cfg.split_points
+    )
     checkpoint = (trainer.state_dict(), train_state, to_yaml(cfg))
     return publish_checkpoint(run, checkpoint_name(epoch + 1, step), checkpoint, log, cfg.num_to_keep)
 
@@ -223,7 +229,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                     raise as_flag_error(exc) from None
                 try:
                     # Restarts keep this cut, also before the first checkpoint; it is settled, so no more trials.
-                    cfg = dataclasses.replace(cfg, split_points=[plan.blocks[0] for plan in trainer.plan[1:]], balance_trials=0)
+                    cfg = dataclasses.replace(
+                        cfg, split_points=[plan.blocks[0] for plan in trainer.plan[1:]], balance_trials=0
+                    )
                     if optimizer_states is not None:
                         trainer.load_optimizer_state_dicts(optimizer_states)
                     trainer.steps_done = steps_done
@@ -241,7 +249,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 failures += 1
                 of = "unlimited" if cfg.max_failures == -1 else cfg.max_failures
                 console.say(f"{exc}; restarting the stages from the last checkpoint ({failures}/{of})")
-                if cfg.verbose and exc.__cause__ is not None:  # Ray's whole account of the failure, which the line above sums up
+                if (
+                    cfg.verbose and exc.__cause__ is not None
+                ):  # Ray's whole account of the failure, which the line above sums up
                     console.say(str(exc.__cause__))
     except Interrupted as exc:
         exc.at, exc.run = progress.at if progress else None, run
@@ -254,7 +264,9 @@ def placement_summary(trainer: PipelineTrainer) -> dict:
     """Where the run trained: each stage's cut and node, each actor's (replica, stage) and node."""
     stages = [{**dataclasses.asdict(plan), "node_id": node} for plan, node in zip(trainer.plan, trainer.nodes)]
     places = [replica_and_stage(index, trainer.num_stages) for index in range(len(trainer.nodes))]
-    actors = [{"replica": replica, "stage": stage, "node_id": node} for (replica, stage), node in zip(places, trainer.nodes)]
+    actors = [
+        {"replica": replica, "stage": stage, "node_id": node} for (replica, stage), node in zip(places, trainer.nodes)
+    ]
     return {"num_nodes": len(set(trainer.nodes)), "stages": stages, "actors": actors}
 
 
@@ -294,17 +306,34 @@ def describe_trial(trial: dict) -> str:
     )
 
 
-def make_trainer(cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch.Tensor, data: StageData) -> PipelineTrainer:
+def make_trainer(
+    cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch.Tensor, data: StageData
+) -> PipelineTrainer:
     balance = None if cfg.split_points else (None if cfg.balance == "none" else cfg.balance)
     return PipelineTrainer(
-        model, cfg.stages, split_points=cfg.split_points, balance=balance, schedule=cfg.schedule,
-        num_microbatches=cfg.microbatches, optimizer=cfg.optimizer, lr=lr, momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay, use_gpu=cfg.use_gpu, deferred_bn=cfg.deferred_bn,
-        clip_grad_norm=cfg.clip_grad_norm, autocast_bf16=cfg.precision == "bf16", memory_format=cfg.memory_format,
-        placement_strategy=cfg.placement, cpus_per_stage=cfg.cpus_per_stage, sample_input=sample,
-        virtual_stages=cfg.virtual_stages, num_replicas=cfg.replicas, balance_trials=cfg.balance_trials if balance == "time" else 0,
+        model,
+        cfg.stages,
+        split_points=cfg.split_points,
+        balance=balance,
+        schedule=cfg.schedule,
+        num_microbatches=cfg.microbatches,
+        optimizer=cfg.optimizer,
+        lr=lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        use_gpu=cfg.use_gpu,
+        deferred_bn=cfg.deferred_bn,
+        clip_grad_norm=cfg.clip_grad_norm,
+        autocast_bf16=cfg.precision == "bf16",
+        memory_format=cfg.memory_format,
+        placement_strategy=cfg.placement,
+        cpus_per_stage=cfg.cpus_per_stage,
+        sample_input=sample,
+        virtual_stages=cfg.virtual_stages,
+        num_replicas=cfg.replicas,
+        balance_trials=cfg.balance_trials if balance == "time" else 0,
         data=data,
-    )  # fmt: skip
+    )
 
 
 def stage_time_metrics(stats: dict, cfg: PipelineConfig) -> dict:
@@ -323,10 +352,21 @@ def stage_time_metrics(stats: dict, cfg: PipelineConfig) -> dict:
 def describe_stage_times(metrics: dict) -> str:
     seconds = "/".join(f"{s:.3f}" for s in metrics["stage_seconds_per_step"])
     predicted = metrics.get("bubble_for_stage_times")
-    return f" (stage times {seconds} s/step" + (f", which predict bubble {predicted:.3f})" if predicted is not None else ")")
+    return f" (stage times {seconds} s/step" + (
+        f", which predict bubble {predicted:.3f})" if predicted is not None else ")"
+    )
 
 
-def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: float, run: Location, progress: Progress, console: Console) -> dict:
+def train_epochs(
+    cfg,
+    trainer,
+    schedule,
+    position: tuple[int, int],
+    carried: float,
+    run: Location,
+    progress: Progress,
+    console: Console,
+) -> dict:
     """Epochs of training from ``position`` (epoch, step), the epoch's step losses so far summing
     to ``carried``; checkpoints after every ``--checkpoint-every-steps`` segment and epoch; the
     progress and each epoch's line on ``console``."""
@@ -343,14 +383,22 @@ def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: flo
         progress.start_epoch()
         for segment in step_segments(first, steps_per_epoch, epoch, cfg.checkpoint_every_steps):
             steps = ((epoch, step, schedule(epoch * steps_per_epoch + step)) for step in segment)
-            for step, loss in enumerate(trainer.train_data_steps(steps, steps_per_call=cfg.steps_per_call), start=segment.start):
+            for step, loss in enumerate(
+                trainer.train_data_steps(steps, steps_per_call=cfg.steps_per_call), start=segment.start
+            ):
                 loss_sum += loss
                 done = epoch * steps_per_epoch + step + 1
                 due = progress.step(done)
                 if due:
                     console.progress(progress.line(loss_sum / (step + 1)), due)
                 if due == "log":
-                    log.step(done, epoch + 1, loss_sum / (step + 1), schedule(done - 1), trainer.stats(reset=False)["bubble_fraction"])
+                    log.step(
+                        done,
+                        epoch + 1,
+                        loss_sum / (step + 1),
+                        schedule(done - 1),
+                        trainer.stats(reset=False)["bubble_fraction"],
+                    )
                 maybe_kill_stage(fault, trainer, f"s{done}")
             if segment.stop < steps_per_epoch:
                 checkpoint = save_checkpoint(cfg, trainer, run, log, epoch, segment.stop, loss_sum)
@@ -370,7 +418,9 @@ def train_epochs(cfg, trainer, schedule, position: tuple[int, int], carried: flo
         log.epoch((epoch + 1) * steps_per_epoch, metrics)
         if checkpoint_due(cfg, epoch, steps_per_epoch, steps_per_epoch):
             checkpoint = save_checkpoint(cfg, trainer, run, log, epoch, 0, loss_sum)
-        console.say(epoch_line(metrics, cfg.epochs, f" bubble {metrics['bubble_fraction']:.3f}{describe_stage_times(metrics)}"))
+        console.say(
+            epoch_line(metrics, cfg.epochs, f" bubble {metrics['bubble_fraction']:.3f}{describe_stage_times(metrics)}")
+        )
         maybe_kill_stage(fault, trainer, str(epoch + 1))
     log.close()
     return {

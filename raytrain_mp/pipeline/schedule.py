@@ -188,7 +188,9 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int) -> list[li
     return ops(num_stages, num_microbatches)
 
 
-def check_schedule(name: str, num_ranks: int, virtual_stages: int, num_microbatches: int, layout: str | None = None) -> None:
+def check_schedule(
+    name: str, num_ranks: int, virtual_stages: int, num_microbatches: int, layout: str | None = None
+) -> None:
     """Raise ``UsageError`` for what torch's schedule ``name`` cannot run: ``num_ranks`` ranks with
     ``virtual_stages`` stages each, over ``num_microbatches`` micro-batches; and, given the
     ``layout`` of running stages, a schedule that lays its stages out otherwise."""
@@ -197,7 +199,8 @@ def check_schedule(name: str, num_ranks: int, virtual_stages: int, num_microbatc
     if not entry.multi_stage and virtual_stages != 1:
         several = " or ".join(other for other, e in SCHEDULES.items() if e.multi_stage)
         raise UsageError(
-            f"virtual_stages: the {name} schedule runs one stage per rank, got {virtual_stages}; use {several} for several"
+            f"virtual_stages: the {name} schedule runs one stage per rank, got {virtual_stages}; use {several} for "
+            "several"
         )
     if entry.multi_stage and virtual_stages < 2:
         raise UsageError(f"virtual_stages: {name} needs at least 2 stages per rank, got {virtual_stages}")
@@ -211,7 +214,9 @@ def check_schedule(name: str, num_ranks: int, virtual_stages: int, num_microbatc
             )
     _check_enough_microbatches(entry.title, num_ranks, num_microbatches, entry.min_microbatches_per_rank * num_ranks)
     if layout is not None and entry.layout != layout:
-        raise UsageError(f"schedule: {name} lays its stages out as {entry.layout!r}, the running stages lie as {layout!r}")
+        raise UsageError(
+            f"schedule: {name} lays its stages out as {entry.layout!r}, the running stages lie as {layout!r}"
+        )
 
 
 def ideal_bubble(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> float:

@@ -173,7 +173,12 @@ def configure_device(use_gpu: bool, num_cpus: int) -> torch.device:
 
 
 def profile_on_stage_device(
-    model: nn.Module, blocks: list[Block], sample: Tensor, use_gpu: bool, num_cpus: int, autocast_bf16: bool,
+    model: nn.Module,
+    blocks: list[Block],
+    sample: Tensor,
+    use_gpu: bool,
+    num_cpus: int,
+    autocast_bf16: bool,
     memory_format: str = "contiguous",
 ) -> list[tuple[float, float]]:
     """``partition.profile_blocks`` on a rank's device; the body of the trainer's profiling task,
@@ -252,7 +257,9 @@ class _TimedStage(PipelineStage):
             full_backward = False
             self._weights_pending.append(bwd_chunk_id)
         with self.clock.region("backward"):
-            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+            return super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            )
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         # Torch's GPipe and 1F1B call this once the step's backwards are done and their sends
@@ -301,14 +308,27 @@ class StageWorker:
         check_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay)
         self.optimizer = build_optimizer(
             [p for module in self.modules for p in module.parameters()],
-            config.optimizer, config.lr, config.momentum, config.weight_decay,
-        )  # fmt: skip
+            config.optimizer,
+            config.lr,
+            config.momentum,
+            config.weight_decay,
+        )
         self.holds_first = config.holder(0) == config.rank
         self.holds_last = config.holder(config.num_stages - 1) == config.rank
         reads = config.data is not None and (self.holds_first or self.holds_last)
-        self._feed = StageFeed(
-            config.data, config.replica, config.num_replicas, self.device, self.dtype, self.holds_first, self.holds_last
-        ) if reads else None  # fmt: skip
+        self._feed = (
+            StageFeed(
+                config.data,
+                config.replica,
+                config.num_replicas,
+                self.device,
+                self.dtype,
+                self.holds_first,
+                self.holds_last,
+            )
+            if reads
+            else None
+        )
         self._store: dist.TCPStore | None = None
         # With replicas: this replica's pipeline group and this stage's data-parallel group; with
         # one replica the default group is the pipeline and there is nothing to average.
@@ -351,9 +371,13 @@ class StageWorker:
 
         host = ray.util.get_node_ip_address()
         self._store = dist.TCPStore(
-            host, 0, self.config.world_size, is_master=True, wait_for_workers=False,
+            host,
+            0,
+            self.config.world_size,
+            is_master=True,
+            wait_for_workers=False,
             timeout=timedelta(seconds=self.config.p2p_timeout_s),
-        )  # fmt: skip
+        )
         return host, self._store.port
 
     def join_group(self, host: str, port: int) -> None:
@@ -364,9 +388,12 @@ class StageWorker:
         store = self._store or dist.TCPStore(host, port, config.world_size, is_master=False, timeout=timeout)
         dist.init_process_group(
             "nccl" if self.device.type == "cuda" else "gloo",
-            store=store, rank=config.peer(config.rank), world_size=config.world_size, timeout=timeout,
+            store=store,
+            rank=config.peer(config.rank),
+            world_size=config.world_size,
+            timeout=timeout,
             **({"device_id": self.device} if self.device.type == "cuda" else {}),
-        )  # fmt: skip
+        )
         if config.num_replicas == 1:
             return
         for replica in range(config.num_replicas):
@@ -454,10 +481,15 @@ class StageWorker:
             # The metadata says which tensors carry gradients: every stage's input but the data's.
             stages.append(
                 _TimedStage(
-                    runner, index, self.config.num_stages, self.device,
-                    input_args=torch.empty_like(x).requires_grad_(index > 0), output_args=torch.empty_like(y).requires_grad_(),
-                    group=self._pipeline_group, clock=self._clock,
-                )  # fmt: skip
+                    runner,
+                    index,
+                    self.config.num_stages,
+                    self.device,
+                    input_args=torch.empty_like(x).requires_grad_(index > 0),
+                    output_args=torch.empty_like(y).requires_grad_(),
+                    group=self._pipeline_group,
+                    clock=self._clock,
+                )
             )
         for stage in stages:
             stage.split_last_backward = schedule.split_last_backward
@@ -602,7 +634,11 @@ class StageWorker:
 
     def state_dict(self) -> dict[str, Tensor]:
         # contiguous: a checkpoint holds plain tensors whatever layout the rank computes in
-        return {key: value.detach().cpu().contiguous() for module in self.modules for key, value in module.state_dict().items()}
+        return {
+            key: value.detach().cpu().contiguous()
+            for module in self.modules
+            for key, value in module.state_dict().items()
+        }
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         for module in self.modules:

@@ -39,7 +39,9 @@ def stop_actors(actors: Sequence[Any], timeout_s: float = STOP_TIMEOUT_S) -> lis
         if alive:
             time.sleep(_POLL_S)
     if alive:
-        warnings.warn(f"{len(alive)} of {len(actors)} actors still answered {timeout_s:.0f} s after ray.kill", stacklevel=2)
+        warnings.warn(
+            f"{len(alive)} of {len(actors)} actors still answered {timeout_s:.0f} s after ray.kill", stacklevel=2
+        )
     return alive
 
 

@@ -209,10 +209,13 @@ def _probe(model: nn.Module, graph: fx.Graph, sample: Tensor) -> dict[str, _Seen
     seen = {}
     for name in runs[0]:
         first, second = (run[name] for run in runs)
-        batched = all(
-            isinstance(v, Tensor) and v.is_floating_point() and v.dim() >= 1 and v.shape[0] == b
-            for v, b in ((first, PROBE_BATCHES[0]), (second, PROBE_BATCHES[1]))
-        ) and first.shape[1:] == second.shape[1:]
+        batched = (
+            all(
+                isinstance(v, Tensor) and v.is_floating_point() and v.dim() >= 1 and v.shape[0] == b
+                for v, b in ((first, PROBE_BATCHES[0]), (second, PROBE_BATCHES[1]))
+            )
+            and first.shape[1:] == second.shape[1:]
+        )
         seen[name] = _Seen(batched, tuple(first.shape[1:]) if batched else ())
     return seen
 
@@ -238,7 +241,10 @@ def flatten_traced(model: nn.Module, sample: Tensor | None) -> list[Block]:
         raise UsageError(f"model: {kind}.forward takes {len(placeholders)} inputs; the pipeline feeds it one tensor")
     (output,) = [n for n in graph.nodes if n.op == "output"]
     if not isinstance(output.args[0], fx.Node):  # the loss takes one tensor of logits
-        raise UsageError(f"model: {kind}.forward returns a {type(output.args[0]).__name__}; the pipeline's last stage needs one tensor of logits")
+        raise UsageError(
+            f"model: {kind}.forward returns a {type(output.args[0]).__name__}; the pipeline's last stage needs one "
+            "tensor of logits"
+        )
     seen = _probe(model, graph, sample)
     body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     cuts = cut_positions(model, placeholders[0], body, output, seen)
@@ -301,9 +307,15 @@ def _block_name(body: Sequence[fx.Node], start: int, stop: int, taken: set[str])
 
 
 def _block(
-    name: str, nodes: Sequence[fx.Node], source: fx.Node, body: Sequence[fx.Node],
-    start: int, stop: int, output: fx.Node, seen: dict[str, _Seen],
-) -> Block:  # fmt: skip
+    name: str,
+    nodes: Sequence[fx.Node],
+    source: fx.Node,
+    body: Sequence[fx.Node],
+    start: int,
+    stop: int,
+    output: fx.Node,
+    seen: dict[str, _Seen],
+) -> Block:
     # What crosses a cut is every value used after it, also by a later block only (a skip).
     defined_before = [source, *body[:start]]
     from_here, later = set(body[start:]) | {output}, set(body[stop:]) | {output}
@@ -330,4 +342,3 @@ def _op(node: fx.Node, paths: list[str]) -> Op:
     args, kwargs = map_aggregate(node.args, ref), map_aggregate(dict(node.kwargs), ref)
     target = paths.index(node.target) if node.op in ("call_module", "get_attr") else node.target
     return Op(node.name, node.op, target, tuple(args), dict(kwargs))
-

@@ -53,9 +53,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch import Tensor, nn
 
 from raytrain_mp.cluster import reachable, resolve_use_gpu, use_token_if_the_cluster_asks, wait_for_autoscaler
+from raytrain_mp.data import read_meta
 from raytrain_mp.errors import UsageError
 from raytrain_mp.faults import short_cause
-from raytrain_mp.data import read_meta
 from raytrain_mp.pipeline.blame import Kind, blame, failure_kind, unsettled
 from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_counts, flatten_model
 from raytrain_mp.pipeline.feed import StageData, val_chunks
@@ -73,7 +73,14 @@ from raytrain_mp.pipeline.partition import (
     rescale_to_measured,
     split_bounds,
 )
-from raytrain_mp.pipeline.replicas import check_replicas, global_rank, replica_and_stage, replica_nodes, replica_resources, replica_shares
+from raytrain_mp.pipeline.replicas import (
+    check_replicas,
+    global_rank,
+    replica_and_stage,
+    replica_nodes,
+    replica_resources,
+    replica_shares,
+)
 from raytrain_mp.pipeline.schedule import SCHEDULES, check_schedule, schedule_entry, stage_indices
 from raytrain_mp.pipeline.stage import StageConfig, StageWorker, check_optimizer, profile_on_stage_device
 from raytrain_mp.pipeline.teardown import stop_actors
@@ -97,7 +104,12 @@ class StageFailedError(RuntimeError):
     (``faults.short_cause``)."""
 
     def __init__(
-        self, stage: int, num_stages: int, step: int | None, cause: BaseException | str, replica: int | None = None,
+        self,
+        stage: int,
+        num_stages: int,
+        step: int | None,
+        cause: BaseException | str,
+        replica: int | None = None,
         phase: str | None = None,
     ) -> None:
         self.stage, self.num_stages, self.step, self.replica = stage, num_stages, step, replica
@@ -132,7 +144,10 @@ def _error_of(ref: ray.ObjectRef) -> RayError | None:
 
 
 def check_resources(
-    nodes: Sequence[Mapping[str, float]], bundles: Sequence[Mapping[str, float]], strategy: str, num_replicas: int = 1,
+    nodes: Sequence[Mapping[str, float]],
+    bundles: Sequence[Mapping[str, float]],
+    strategy: str,
+    num_replicas: int = 1,
 ) -> None:
     """Raise ``UsageError`` when the alive ``nodes`` (their total resources) can never hold
     ``num_replicas`` placement groups of the stages' ``bundles`` (one per stage, in order) under
@@ -149,15 +164,24 @@ def check_resources(
         if have < num_replicas * amount:
             option = "use_gpu" if resource == "GPU" else "cpus_per_stage"
             amounts = [bundle.get(resource, 0) for bundle in bundles]
-            each = f"{amounts[0]:g} each" if len(set(amounts)) == 1 else (
-                f"{'/'.join(f'{a:g}' for a in amounts)} by stage: the first stage's loader processes (data.loader_workers) count"
-            )  # fmt: skip
-            raise UsageError(f"{option}: {what} need {num_replicas * amount:g} {resource} ({each}); the Ray cluster has {have:g}")
+            each = (
+                f"{amounts[0]:g} each"
+                if len(set(amounts)) == 1
+                else (
+                    f"{'/'.join(f'{a:g}' for a in amounts)} by stage: the first stage's loader processes "
+                    "(data.loader_workers) count"
+                )
+            )
+            raise UsageError(
+                f"{option}: {what} need {num_replicas * amount:g} {resource} ({each}); the Ray cluster has {have:g}"
+            )
 
     def fits(node: Mapping[str, float], bundle: Mapping[str, float]) -> bool:
         return all(node.get(resource, 0) >= amount for resource, amount in bundle.items())
 
-    shown = dict(bundles[0]) if all(bundle == bundles[0] for bundle in bundles) else [dict(bundle) for bundle in bundles]
+    shown = (
+        dict(bundles[0]) if all(bundle == bundles[0] for bundle in bundles) else [dict(bundle) for bundle in bundles]
+    )
     each = "each" if isinstance(shown, dict) else "by stage"
     if strategy == "STRICT_PACK" and not any(fits(node, need) for node in nodes):
         raise UsageError(
@@ -175,13 +199,23 @@ def check_resources(
         node = next((node for node in free if fits(node, bundle)), None)
         if node is None:
             one = "one stage" if isinstance(shown, dict) else "one stage each"
-            raise UsageError(f"placement_strategy: STRICT_SPREAD needs {num_stages} nodes that each hold {one} ({shown}); use SPREAD or PACK")
+            raise UsageError(
+                f"placement_strategy: STRICT_SPREAD needs {num_stages} nodes that each hold {one} ({shown}); use "
+                "SPREAD or PACK"
+            )
         free.remove(node)
 
 
 def _check_options(
-    model: nn.Module, optimizer: str, lr: float, momentum: float, weight_decay: float,
-    clip_grad_norm: float | None, cpus_per_stage: int, p2p_timeout_s: float, memory_format: str,
+    model: nn.Module,
+    optimizer: str,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    clip_grad_norm: float | None,
+    cpus_per_stage: int,
+    p2p_timeout_s: float,
+    memory_format: str,
 ) -> None:
     first = next(model.parameters(), None)
     if first is None:
@@ -217,7 +251,10 @@ def _check_trials(
     if trials < 0 or int(trials) != trials:
         raise UsageError(f"balance_trials: a whole number of steps >= 0, got {trials}")
     if trials and balance != "time":
-        raise UsageError(f"balance_trials: tries the cuts of balance='time' on running stages; the cut here is {balance or 'split_points'}")
+        raise UsageError(
+            "balance_trials: tries the cuts of balance='time' on running stages; the cut here is "
+            f"{balance or 'split_points'}"
+        )
     if trials:
         check_batch(len(sample_input), num_microbatches, num_replicas)  # the trial steps run on it
 
@@ -328,7 +365,9 @@ class PipelineTrainer:
         check_stage_count(len(blocks), parts)
         self.num_stages, self.virtual_stages, self.layout = num_stages, virtual_stages, schedule_entry(schedule).layout
         self.set_schedule(schedule, num_microbatches)
-        _check_options(model, optimizer, lr, momentum, weight_decay, clip_grad_norm, cpus_per_stage, p2p_timeout_s, memory_format)
+        _check_options(
+            model, optimizer, lr, momentum, weight_decay, clip_grad_norm, cpus_per_stage, p2p_timeout_s, memory_format
+        )
         check_replicas(num_replicas)
         self.num_replicas = num_replicas
         self.data = data
@@ -361,7 +400,9 @@ class PipelineTrainer:
         loaders = data.loader_workers if data is not None else 0
         self._bundles = [{**bundle, "CPU": cpus_per_stage + loaders * (rank == 0)} for rank in range(num_stages)]
         if wait_for_autoscaler(f"{num_replicas * num_stages} stage actors", self._bundles * num_replicas):
-            alive = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}  # with the nodes it added
+            alive = {
+                node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]
+            }  # with the nodes it added
             nodes = list(alive.values())
         check_resources(nodes, self._bundles, placement_strategy, num_replicas)
 
@@ -385,11 +426,24 @@ class PipelineTrainer:
             # The model's own order: a stage attaches a residual block's downsample with its strided conv.
             self._model_keys = list(model.state_dict())
             template = StageConfig(
-                rank=0, num_ranks=num_stages, virtual_stages=virtual_stages, optimizer=optimizer, lr=lr,
-                momentum=momentum, weight_decay=weight_decay, use_gpu=use_gpu, num_cpus=cpus_per_stage,
-                deferred_bn=deferred_bn, autocast_bf16=autocast_bf16, memory_format=memory_format, p2p_timeout_s=p2p_timeout_s,
-                replica=0, num_replicas=num_replicas, data=data, layout=self.layout,
-            )  # fmt: skip
+                rank=0,
+                num_ranks=num_stages,
+                virtual_stages=virtual_stages,
+                optimizer=optimizer,
+                lr=lr,
+                momentum=momentum,
+                weight_decay=weight_decay,
+                use_gpu=use_gpu,
+                num_cpus=cpus_per_stage,
+                deferred_bn=deferred_bn,
+                autocast_bf16=autocast_bf16,
+                memory_format=memory_format,
+                p2p_timeout_s=p2p_timeout_s,
+                replica=0,
+                num_replicas=num_replicas,
+                data=data,
+                layout=self.layout,
+            )
             self.balance_trials: list[dict[str, Any]] = []  # per cut run on the actors, the profile's first
             self.profile: list[tuple[float, float]] | None = None  # per block, (forward, backward) seconds
             seconds = forward = None
@@ -401,7 +455,9 @@ class PipelineTrainer:
                 bounds = self._cut(forward, backward)
                 if balance_trials:
                     try:
-                        bounds = self._fastest_cut(model, blocks, template, bounds, forward, backward, sample_input, balance_trials)
+                        bounds = self._fastest_cut(
+                            model, blocks, template, bounds, forward, backward, sample_input, balance_trials
+                        )
                     except StageFailedError as exc:
                         raise exc.during("in a balance trial") from exc.__cause__
             self.plan: list[StagePlan] = plan_stages(names, bounds, params, seconds, forward)
@@ -413,12 +469,17 @@ class PipelineTrainer:
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def _start_stages(self, model: nn.Module, blocks: list[Block], bounds: Sequence[int], template: StageConfig) -> None:
+    def _start_stages(
+        self, model: nn.Module, blocks: list[Block], bounds: Sequence[int], template: StageConfig
+    ) -> None:
         """One actor per rank of every replica, holding its parts of the cut ``bounds``, ready and in
         one process group."""
         num_stages = self.num_stages
         pieces = [StageModule(model, blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
-        held = [[pieces[i] for i in stage_indices(rank, num_stages, self.virtual_stages, self.layout)] for rank in range(num_stages)]
+        held = [
+            [pieces[i] for i in stage_indices(rank, num_stages, self.virtual_stages, self.layout)]
+            for rank in range(num_stages)
+        ]
         self._stage_keys = [[key for piece in modules for key in piece.state_dict()] for modules in held]
         actor_class = ray.remote(StageWorker)
         for replica in range(self.num_replicas):
@@ -429,11 +490,15 @@ class PipelineTrainer:
         starting = "while starting"
         self.devices: list[str] = self._call_all("ready", phase=starting)  # per actor, replica-major
         self.niceness: list[int] = self._call_all("niceness", phase=starting)  # per actor, replica-major
-        self.keeps_freed_memory: list[bool] = self._call_all("keeps_freed_memory", phase=starting)  # per actor, replica-major
+        self.keeps_freed_memory: list[bool] = self._call_all(
+            "keeps_freed_memory", phase=starting
+        )  # per actor, replica-major
         host, port = self._gather([(0, self.actor(0).host_store.remote())], step=None, phase=starting)[0]
         self._call_all("join_group", host, port, phase=starting)
         self.nodes: list[str] = [  # Ray node id per actor, replica-major
-            ray.util.placement_group_table(pg)["bundles_to_node_id"][rank] for pg in self._pgs for rank in range(num_stages)
+            ray.util.placement_group_table(pg)["bundles_to_node_id"][rank]
+            for pg in self._pgs
+            for rank in range(num_stages)
         ]
 
     def _per_rank_and_microbatch(self, timed: Sequence[dict[str, Any]], key: str) -> list[float]:
@@ -442,8 +507,10 @@ class PipelineTrainer:
         ranks = self.num_stages
         return [
             statistics.mean(
-                statistics.median(stats[key][actor] for stats in timed) for actor in range(rank, ranks * self.num_replicas, ranks)
-            ) / self.num_microbatches
+                statistics.median(stats[key][actor] for stats in timed)
+                for actor in range(rank, ranks * self.num_replicas, ranks)
+            )
+            / self.num_microbatches
             for rank in range(ranks)
         ]
 
@@ -457,8 +524,15 @@ class PipelineTrainer:
         return balance_bounds([f + b for f, b in zip(forward, backward)], parts)
 
     def _fastest_cut(
-        self, model: nn.Module, blocks: list[Block], template: StageConfig, bounds: list[int],
-        forward: list[float], backward: list[float], sample: Tensor, steps: int,
+        self,
+        model: nn.Module,
+        blocks: list[Block],
+        template: StageConfig,
+        bounds: list[int],
+        forward: list[float],
+        backward: list[float],
+        sample: Tensor,
+        steps: int,
     ) -> list[int]:
         """Run ``bounds`` on stage actors of its own (one untimed step of ``sample``, ``steps``
         timed ones), rescale the profile to what each rank measured per micro-batch, cut anew, and
@@ -485,14 +559,16 @@ class PipelineTrainer:
             measured_forward = self._per_rank_and_microbatch(timed, "forward_busy_seconds")
             busy = self._per_rank_and_microbatch(timed, "busy_seconds")
             measured_backward = [b - f for b, f in zip(busy, measured_forward)]
-            self.balance_trials.append({
-                "split_points": [names[i] for i in bounds[1:-1]],
-                "profile_score": cut_score(forward, backward, bounds, fill_drain),
-                "forward_seconds": measured_forward,  # per rank and micro-batch
-                "backward_seconds": measured_backward,  # the same, with the optimizer step's share
-                "bubble_fraction": statistics.median(t["bubble_fraction"] for t in timed),
-                "seconds_per_step": statistics.median(t["seconds_per_step"] for t in timed),
-            })  # fmt: skip
+            self.balance_trials.append(
+                {
+                    "split_points": [names[i] for i in bounds[1:-1]],
+                    "profile_score": cut_score(forward, backward, bounds, fill_drain),
+                    "forward_seconds": measured_forward,  # per rank and micro-batch
+                    "backward_seconds": measured_backward,  # the same, with the optimizer step's share
+                    "bubble_fraction": statistics.median(t["bubble_fraction"] for t in timed),
+                    "seconds_per_step": statistics.median(t["seconds_per_step"] for t in timed),
+                }
+            )
             bounds = self._cut(
                 rescale_to_measured(forward, bounds, ranks, measured_forward),
                 rescale_to_measured(backward, bounds, ranks, measured_backward),
@@ -504,7 +580,9 @@ class PipelineTrainer:
         return {
             "num_cpus": self._bundles[index]["CPU"],
             "num_gpus": 1 if self.use_gpu else 0,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pgs[replica], placement_group_bundle_index=index),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self._pgs[replica], placement_group_bundle_index=index
+            ),
         }
 
     def _wait_for_placement(self, strategy: str) -> None:
@@ -517,14 +595,18 @@ class PipelineTrainer:
                 f"{_PLACEMENT_TIMEOUT_S:g} s; other jobs may hold the resources"
             )
 
-    def _profile(self, model: nn.Module, blocks: list[Block], sample: Tensor, config: StageConfig) -> list[tuple[float, float]]:
+    def _profile(
+        self, model: nn.Module, blocks: list[Block], sample: Tensor, config: StageConfig
+    ) -> list[tuple[float, float]]:
         # Profile where rank 0 will run, before its actor takes the bundle: the target device.
         # max_calls=1: the task's worker exits afterwards, so it holds no CUDA context on the GPU and its
         # allocator settings (allocator.keep_freed_memory) die with it.
         task = ray.remote(max_calls=1)(profile_on_stage_device).options(**self._placement(0))
         try:
             return ray.get(
-                task.remote(model, blocks, sample, self.use_gpu, config.num_cpus, config.autocast_bf16, config.memory_format)
+                task.remote(
+                    model, blocks, sample, self.use_gpu, config.num_cpus, config.autocast_bf16, config.memory_format
+                )
             )
         except RayError as error:  # its process or node lost, as a stage actor's can be
             raise StageFailedError(0, self.num_stages, None, error, phase="while profiling its blocks") from error
@@ -551,7 +633,9 @@ class PipelineTrainer:
         refs = [(index, getattr(actor, method).remote(*args)) for index, actor in enumerate(self._all_actors())]
         return self._gather(refs, step=None, phase=phase)
 
-    def _gather(self, submitted: list[tuple[int, ray.ObjectRef]], step: int | None, phase: str | None = None) -> list[Any]:
+    def _gather(
+        self, submitted: list[tuple[int, ray.ObjectRef]], step: int | None, phase: str | None = None
+    ) -> list[Any]:
         """The results of ``submitted`` (actor index, ref) pairs, in order. A failure stops every
         rank and raises ``StageFailedError`` for its origin (see the module docstring), at ``step``
         or ``phase``."""
@@ -569,8 +653,13 @@ class PipelineTrainer:
         return [results[ref] for ref in refs]
 
     def _fail(
-        self, submitted: list[tuple[int, ray.ObjectRef]], first: ray.ObjectRef, error: RayError,
-        pending: list[ray.ObjectRef], step: int | None, phase: str | None = None,
+        self,
+        submitted: list[tuple[int, ray.ObjectRef]],
+        first: ray.ObjectRef,
+        error: RayError,
+        pending: list[ray.ObjectRef],
+        step: int | None,
+        phase: str | None = None,
     ) -> NoReturn:
         """Stop every rank and raise ``StageFailedError`` for the origin (``blame.blame``) of a call
         whose ``first`` ref failed first, with ``error``. It waits for the ``pending`` refs first:
@@ -588,7 +677,11 @@ class PipelineTrainer:
         grace_end, outlived = last + _FAILURE_GRACE_S, False
         while pending:
             waiting = unsettled(kinds(), [rank_of[ref] for ref in pending])
-            deadline = max(grace_end, last + self.p2p_timeout_s + _WATCHDOG_DUMP_S + _FAILURE_GRACE_S) if waiting else grace_end
+            deadline = (
+                max(grace_end, last + self.p2p_timeout_s + _WATCHDOG_DUMP_S + _FAILURE_GRACE_S)
+                if waiting
+                else grace_end
+            )
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
                 outlived = waiting
@@ -599,7 +692,9 @@ class PipelineTrainer:
         index, hung = blame(kinds(), [rank_of[ref] for ref in pending], outlived)
         rank, origin = failures[index]
         if hung is not None:  # its peers waited in vain: name the rank that hangs
-            origin = TimeoutError(f"it stopped answering; {self._name(rank)[2]} gave up waiting for it: {short_cause(origin)}")
+            origin = TimeoutError(
+                f"it stopped answering; {self._name(rank)[2]} gave up waiting for it: {short_cause(origin)}"
+            )
             rank = hung
         self.shutdown()
         _read_errors(pending)
@@ -641,7 +736,10 @@ class PipelineTrainer:
         (``feed.epoch_batches``), which the first stage of every replica reads its share of, and
         the last stage its labels; the calls carry positions and learning rates only."""
         if self.data is None:
-            raise UsageError("data: train_data_steps reads the data set given as data=StageData(...); this trainer has none (use train_steps)")
+            raise UsageError(
+                "data: train_data_steps reads the data set given as data=StageData(...); this trainer has none (use "
+                "train_steps)"
+            )
         return self._pipelined(positions, self._submit_positions, ahead, steps_per_call)
 
     def _pipelined(self, items: Iterable[Any], submit: Any, ahead: int, steps_per_call: int) -> Iterator[float]:
@@ -662,7 +760,9 @@ class PipelineTrainer:
             # After a failure the actors are gone: the calls queued behind it failed with them.
             _read_errors([ref for _, refs, _, _ in queued for _, ref in refs])
 
-    def _submit(self, chunk: list[tuple[Tensor, Tensor, float | None]]) -> tuple[int, list[tuple[int, ray.ObjectRef]], float, int]:
+    def _submit(
+        self, chunk: list[tuple[Tensor, Tensor, float | None]]
+    ) -> tuple[int, list[tuple[int, ray.ObjectRef]], float, int]:
         """Check the batches and hand each rank its share of the steps in one call: (first step
         number, refs, when, steps)."""
         m = self.num_microbatches
@@ -685,7 +785,9 @@ class PipelineTrainer:
 
         return self._send(shape, [lr for _, _, lr in chunk], payload)
 
-    def _submit_positions(self, chunk: list[tuple[int, int, float | None]]) -> tuple[int, list[tuple[int, ray.ObjectRef]], float, int]:
+    def _submit_positions(
+        self, chunk: list[tuple[int, int, float | None]]
+    ) -> tuple[int, list[tuple[int, ray.ObjectRef]], float, int]:
         """``_submit`` of steps the stages read themselves: each rank gets the positions."""
         batch, m = self.data.global_batch_size, self.num_microbatches
         check_batch(batch, m, self.num_replicas)
@@ -693,7 +795,9 @@ class PipelineTrainer:
         positions = [(epoch, step) for epoch, step, _ in chunk]
         return self._send(shape, [lr for _, _, lr in chunk], lambda replica, rank: (None, None, positions))
 
-    def _send(self, shape: tuple[int, ...], lrs: list[float | None], payload: Any) -> tuple[int, list[tuple[int, ray.ObjectRef]], float, int]:
+    def _send(
+        self, shape: tuple[int, ...], lrs: list[float | None], payload: Any
+    ) -> tuple[int, list[tuple[int, ray.ObjectRef]], float, int]:
         """One ``train_steps`` call per actor for the steps of ``lrs``, with ``payload(replica,
         rank)``'s (inputs, targets, positions): (first step number, refs, when, steps)."""
         submitted = time.perf_counter()
@@ -702,7 +806,14 @@ class PipelineTrainer:
             for rank in range(self.num_stages):
                 inputs, targets, positions = payload(replica, rank)
                 call = self.actor(rank, replica).train_steps.remote(  # the entry itself: a test's reaches the actors
-                    SCHEDULES[self.schedule], self.num_microbatches, shape, inputs, targets, self.clip_grad_norm, lrs, positions
+                    SCHEDULES[self.schedule],
+                    self.num_microbatches,
+                    shape,
+                    inputs,
+                    targets,
+                    self.clip_grad_norm,
+                    lrs,
+                    positions,
                 )
                 refs.append((global_rank(replica, rank, self.num_stages), call))
         first = self.steps_done + self._queued + 1
@@ -718,7 +829,10 @@ class PipelineTrainer:
         wall = (now - max(submitted, self._last_finish)) / steps
         for i in range(steps):
             self._record(
-                wall, [actor[i][1] for actor in results], [actor[i][2] for actor in results], max(actor[i][3] for actor in results)
+                wall,
+                [actor[i][1] for actor in results],
+                [actor[i][2] for actor in results],
+                max(actor[i][3] for actor in results),
             )
         self._last_finish = now
         self._queued -= steps
@@ -740,7 +854,9 @@ class PipelineTrainer:
         of ``data.val_batch``: replica 0's first stage reads the images and its last stage the
         labels (``feed``); the driver gets three numbers."""
         if self.data is None:
-            raise UsageError("data: evaluate reads the data set given as data=StageData(...); this trainer has none (use predict)")
+            raise UsageError(
+                "data: evaluate reads the data set given as data=StageData(...); this trainer has none (use predict)"
+            )
         chunks = val_chunks(self._val_count, self.data.val_batch, self.num_microbatches)
         refs = [(rank, self.actor(rank).evaluate.remote(chunks)) for rank in range(self.num_stages)]
         loss_sum, correct, count = self._gather(refs, step=None, phase="in evaluation")[-1]
@@ -770,10 +886,11 @@ class PipelineTrainer:
     def stats(self, reset: bool = True) -> dict[str, Any]:
         """Timing of the train steps since the last reset.
 
-        ``busy_seconds[i]``: seconds actor i (stage i % S of replica i // S) computed (forwards,
-        backwards, optimizer step); ``forward_busy_seconds[i]``: of those, its forwards'. ``bubble_fraction``: ``1 - sum(busy) / (actors * wall_seconds)``,
-        the share of the actors' time spent waiting — pipeline fill and drain, transfers, the
-        replicas' all-reduces, Ray and driver overhead.
+        ``busy_seconds[i]``: seconds actor i (stage i % S of replica i // S) computed (forwards, backwards,
+        optimizer step); ``forward_busy_seconds[i]``: of those, its forwards'.
+        ``bubble_fraction``: ``1 - sum(busy) / (actors * wall_seconds)``, the share of the actors' time
+        spent waiting — pipeline fill and drain, transfers, the replicas' all-reduces, Ray and driver
+        overhead.
         ``rank_seconds_per_step``: the longest time a rank's step call took inside the rank, what a
         torchrun script would time; ``seconds_per_step`` minus this is the Ray call's cost.
         """
@@ -803,10 +920,12 @@ class PipelineTrainer:
         """``method`` on each stage of ``replica`` (with ``args_of_rank[rank]``); the results in
         stage order. A failure says it happened ``phase``."""
         refs = [
-            (global_rank(replica, rank, self.num_stages),
-             getattr(self.actor(rank, replica), method).remote(*(args_of_rank[rank] if args_of_rank else ())))
+            (
+                global_rank(replica, rank, self.num_stages),
+                getattr(self.actor(rank, replica), method).remote(*(args_of_rank[rank] if args_of_rank else ())),
+            )
             for rank in range(self.num_stages)
-        ]  # fmt: skip
+        ]
         return self._gather(refs, step=None, phase=phase)
 
     def state_dict(self, replica: int = 0) -> dict[str, Tensor]:
@@ -838,7 +957,12 @@ class PipelineTrainer:
         if len(states) != self.num_stages:
             raise UsageError(f"optimizer state: {len(states)} stage states for {self.num_stages} stages")
         for replica in range(self.num_replicas):
-            self._replica_calls(replica, "load_optimizer_state_dict", [(state,) for state in states], phase="while loading the optimizer state")
+            self._replica_calls(
+                replica,
+                "load_optimizer_state_dict",
+                [(state,) for state in states],
+                phase="while loading the optimizer state",
+            )
 
     def _all_actors(self) -> list[Any]:
         self.actor(0)  # raises once stopped

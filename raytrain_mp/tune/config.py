@@ -26,8 +26,8 @@ from typing import Any
 from raytrain_mp.config import absolute_path, build_config, check, check_choice, flag_name, option
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.elastic import check_world_sizes, parse_worker_range
-from raytrain_mp.optim import OPTIMIZERS
 from raytrain_mp.errors import UsageError
+from raytrain_mp.optim import OPTIMIZERS
 
 # Per-trial DDP options: their values come from the search space (keys of a trial's params).
 PER_TRIAL = ("base_lr", "global_batch_size", "optimizer", "warmup_epochs")
@@ -54,26 +54,33 @@ class SweepOptions:
     """The options only a sweep has; ``TuneConfig`` adds the DDP options to these."""
 
     base_lrs: tuple[float, ...] | None = option(
-        None, f"grid of base learning rates, e.g. 0.1,0.2,0.4 (default: {','.join(map(str, DEFAULT_BASE_LRS))} "
-        "unless --lr-min/--lr-max)"
-    )  # fmt: skip
+        None,
+        f"grid of base learning rates, e.g. 0.1,0.2,0.4 (default: {','.join(map(str, DEFAULT_BASE_LRS))} "
+        "unless --lr-min/--lr-max)",
+    )
     lr_min: float | None = option(None, "log-uniform search instead of a grid: smallest base lr (with --lr-max)")
     lr_max: float | None = option(None, "log-uniform search: largest base lr (with --lr-min)")
     num_samples: int | None = option(
-        None, f"log-uniform search: base lrs drawn (seeded by --seed), each tried at every batch size (default: {DEFAULT_NUM_SAMPLES})"
+        None,
+        "log-uniform search: base lrs drawn (seeded by --seed), each tried at every batch size (default: "
+        f"{DEFAULT_NUM_SAMPLES})",
     )
     global_batch_sizes: tuple[int, ...] = option((64, 128), "grid of global batch sizes")
     optimizers: tuple[str, ...] = option((DDPConfig.optimizer,), f"grid of optimizers ({', '.join(OPTIMIZERS)})")
     warmup_epochs_grid: tuple[float, ...] = option((DDPConfig.warmup_epochs,), "grid of warmup epochs")
     scheduler: str = option("asha", "early stopping of weak trials (ASHA on --metric), or none", ("asha", "none"))
-    metric: str = option("val_accuracy", "what picks the best trial (and what ASHA compares)", ("val_accuracy", "val_loss"))
+    metric: str = option(
+        "val_accuracy", "what picks the best trial (and what ASHA compares)", ("val_accuracy", "val_loss")
+    )
     grace_period: int = option(1, "asha: epochs every trial runs before it may be stopped")
     reduction_factor: float = option(2.0, "asha: at each rung, keep the best 1/this of trials")
     max_concurrent_trials: int | None = option(
         None, "trials at once (default: as many as the cluster fits, each trial's driver CPU and workers counted)"
     )
     name: str | None = option(None, "experiment name; its folder is --storage-path/NAME (default: tune-<time>)")
-    resume: str | None = option(None, f"experiment folder of an interrupted sweep to finish (its options come from its {SWEEP_FILE})")
+    resume: str | None = option(
+        None, f"experiment folder of an interrupted sweep to finish (its options come from its {SWEEP_FILE})"
+    )
     json: bool = False
 
     @property
@@ -118,19 +125,33 @@ class SweepOptions:
         for name in ("scheduler", "metric"):
             check_choice(self, name)
         self._validate_lrs()
-        check(bool(self.global_batch_sizes), "global_batch_sizes", "the grid is empty; accepted: a comma list of batch sizes")
+        check(
+            bool(self.global_batch_sizes),
+            "global_batch_sizes",
+            "the grid is empty; accepted: a comma list of batch sizes",
+        )
         low, high = parse_worker_range(self.num_workers)
-        check(low == high, "num_workers", f"a sweep's trials run at one size; accepted: a worker count, got {self.num_workers}")
+        check(
+            low == high,
+            "num_workers",
+            f"a sweep's trials run at one size; accepted: a worker count, got {self.num_workers}",
+        )
         for batch in self.global_batch_sizes:
             check(batch >= 1, "global_batch_sizes", f"must be >= 1, got {batch}")
             check_world_sizes(batch, self.grad_accum_steps, low, high, option="--global-batch-sizes")
         check(bool(self.optimizers), "optimizers", f"the grid is empty; accepted: {', '.join(OPTIMIZERS)}")
         for name in self.optimizers:
             check(name in OPTIMIZERS, "optimizers", f"unknown value {name!r}; accepted: {', '.join(OPTIMIZERS)}")
-        check(bool(self.warmup_epochs_grid), "warmup_epochs_grid", "the grid is empty; accepted: a comma list of epochs")
+        check(
+            bool(self.warmup_epochs_grid), "warmup_epochs_grid", "the grid is empty; accepted: a comma list of epochs"
+        )
         for epochs in self.warmup_epochs_grid:
             check(epochs >= 0, "warmup_epochs_grid", f"must be >= 0, got {epochs}")
-        check(1 <= self.grace_period <= self.epochs, "grace_period", f"must be in [1, --epochs {self.epochs}], got {self.grace_period}")
+        check(
+            1 <= self.grace_period <= self.epochs,
+            "grace_period",
+            f"must be in [1, --epochs {self.epochs}], got {self.grace_period}",
+        )
         check(self.reduction_factor > 1, "reduction_factor", f"must be > 1, got {self.reduction_factor}")
         check(
             self.max_concurrent_trials is None or self.max_concurrent_trials >= 1,
@@ -141,14 +162,30 @@ class SweepOptions:
 
     def _validate_lrs(self) -> None:
         if self.log_uniform:
-            check(self.base_lrs is None, "base_lrs", "give either a grid (--base-lrs) or a range (--lr-min/--lr-max), not both")
+            check(
+                self.base_lrs is None,
+                "base_lrs",
+                "give either a grid (--base-lrs) or a range (--lr-min/--lr-max), not both",
+            )
             check(self.lr_min is not None and self.lr_max is not None, "lr_min", "--lr-min and --lr-max go together")
             check(_positive(self.lr_min), "lr_min", f"must be a finite number > 0, got {self.lr_min}")
-            check(_positive(self.lr_max) and self.lr_max > self.lr_min, "lr_max", f"must be > --lr-min {self.lr_min}, got {self.lr_max}")
-            check(self.num_samples is None or self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
+            check(
+                _positive(self.lr_max) and self.lr_max > self.lr_min,
+                "lr_max",
+                f"must be > --lr-min {self.lr_min}, got {self.lr_max}",
+            )
+            check(
+                self.num_samples is None or self.num_samples >= 1,
+                "num_samples",
+                f"must be >= 1, got {self.num_samples}",
+            )
             return
         check(self.num_samples is None, "num_samples", "only with --lr-min/--lr-max (a grid tries each value once)")
-        check(self.base_lrs is None or bool(self.base_lrs), "base_lrs", "the grid is empty; accepted: a comma list of learning rates")
+        check(
+            self.base_lrs is None or bool(self.base_lrs),
+            "base_lrs",
+            "the grid is empty; accepted: a comma list of learning rates",
+        )
         for lr in self.base_lrs or ():
             check(_positive(lr), "base_lrs", f"must be finite numbers > 0, got {lr}")
 
@@ -188,7 +225,11 @@ def tune_config_from_args(args: argparse.Namespace | dict[str, Any]) -> Any:
 
     resume = absolute_path(given["resume"])
     saved = join(resume, SWEEP_FILE)
-    check(locate(saved, "--resume").is_file(), "resume", f"{given['resume']} holds no {SWEEP_FILE}; accepted: a folder made by raytrain-mp tune")
+    check(
+        locate(saved, "--resume").is_file(),
+        "resume",
+        f"{given['resume']} holds no {SWEEP_FILE}; accepted: a folder made by raytrain-mp tune",
+    )
     # Trials already ran with the saved options; other values would make one sweep of two.
     extra = sorted(set(given) - {"resume", "address", "json"})
     if extra:
@@ -206,7 +247,9 @@ def trial_config(template: DDPConfig, params: dict[str, Any], **overrides: Any) 
     return dataclasses.replace(template, **params, **overrides)
 
 
-def trials_that_fit(cluster_cpus: float, cluster_gpus: float, num_workers: int, cpus_per_worker: int, use_gpu: bool) -> int:
+def trials_that_fit(
+    cluster_cpus: float, cluster_gpus: float, num_workers: int, cpus_per_worker: int, use_gpu: bool
+) -> int:
     """How many trials run at once without any trial's workers waiting for resources; >= 1 or UsageError."""
     trial_cpus = TRIAL_DRIVER_CPUS + num_workers * cpus_per_worker
     if trial_cpus > cluster_cpus:

@@ -107,7 +107,9 @@ def table_rows(outcomes: Sequence[TrialOutcome], template: DDPConfig) -> list[di
                 "run": outcome.run,
             }
         )
-    return sorted(rows, key=lambda r: (r["global_batch_size"], r["optimizer"], r["warmup_epochs"], r["base_lr"], r["trial"]))
+    return sorted(
+        rows, key=lambda r: (r["global_batch_size"], r["optimizer"], r["warmup_epochs"], r["base_lr"], r["trial"])
+    )
 
 
 def best_row(rows: Sequence[dict[str, Any]], metric: str, mode: str) -> dict[str, Any] | None:
@@ -147,7 +149,9 @@ def best_yaml(row: dict[str, Any], given: DDPConfig, metric: str, experiment: st
     return header + yaml.safe_dump(best_options(row, given), sort_keys=False)
 
 
-def write_outputs(rows: Sequence[dict[str, Any]], given: DDPConfig, metric: str, mode: str, folder: str) -> dict[str, Any]:
+def write_outputs(
+    rows: Sequence[dict[str, Any]], given: DDPConfig, metric: str, mode: str, folder: str
+) -> dict[str, Any]:
     """Write table (CSV, Parquet), plot and best YAML into ``folder``; return their paths and the best row.
 
     ``given``: the sweep's DDP options as the user gave them (see ``best_options``)."""
@@ -183,7 +187,13 @@ def plot_png(rows: Sequence[dict[str, Any]], subtitle: str) -> bytes:
         (line,) = ax.plot(xs, ys, "-", label=label)
         for p in points:
             filled = p["status"] == "completed"
-            ax.plot(p["base_lr"], p["final_val_accuracy"], "o", color=line.get_color(), mfc=line.get_color() if filled else "none")
+            ax.plot(
+                p["base_lr"],
+                p["final_val_accuracy"],
+                "o",
+                color=line.get_color(),
+                mfc=line.get_color() if filled else "none",
+            )
         peak = max(points, key=lambda r: r["final_val_accuracy"])
         ax.plot(peak["base_lr"], peak["final_val_accuracy"], "*", ms=14, color=line.get_color())
     ax.set_xscale("log")

@@ -36,8 +36,8 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from raytrain_mp.cluster import cluster_totals, resolve_use_gpu, wait_for_autoscaler
 from raytrain_mp.config import absolute_path, to_yaml
-from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.data import read_meta, resolve_dataset
+from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.trainer import (
     build_trainer,
     with_checked_data,
@@ -74,7 +74,9 @@ def prepared(cfg: Any) -> Any:
     )
     experiment = locate(cfg.storage_path, "--storage-path").child(cfg.name)
     if cfg.resume is None and experiment.exists():
-        raise UsageError(f"--name: {experiment.uri} exists; finish it with --resume {experiment.uri}, or choose another --name")
+        raise UsageError(
+            f"--name: {experiment.uri} exists; finish it with --resume {experiment.uri}, or choose another --name"
+        )
     return cfg
 
 
@@ -149,12 +151,16 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
     use_gpu = resolve_use_gpu(cfg.use_gpu, int(cfg.num_workers), "workers")
     # One trial's driver and workers, waited for on a joined cluster before the concurrency counts it.
     worker = {"CPU": cfg.cpus_per_worker, "GPU": int(use_gpu)}
-    wait_for_autoscaler(f"--num-workers {cfg.num_workers}", [{"CPU": TRIAL_DRIVER_CPUS}, *[worker] * int(cfg.num_workers)])
+    wait_for_autoscaler(
+        f"--num-workers {cfg.num_workers}", [{"CPU": TRIAL_DRIVER_CPUS}, *[worker] * int(cfg.num_workers)]
+    )
     max_concurrent = concurrency(cfg, *cluster_totals(), use_gpu)
     # The trials' template holds this machine's state (use_gpu, the data's cache folder); the
     # outputs' best.yaml is built from cfg.template(), the options as the user gave them.
     template = dataclasses.replace(
-        with_cluster_settings(dataclasses.replace(cfg.template(), use_gpu=use_gpu)), name=None, data=absolute_path(resolve_dataset(cfg.data))
+        with_cluster_settings(dataclasses.replace(cfg.template(), use_gpu=use_gpu)),
+        name=None,
+        data=absolute_path(resolve_dataset(cfg.data)),
     )
     experiment = cfg.resume or join(cfg.storage_path, cfg.name)
     trainable = tune.with_resources(
@@ -170,7 +176,10 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
         if cfg.scheduler == "asha":
             # Rungs count epochs (reported by the loop), not Tune iterations, which restart with a resumed trial.
             scheduler = ASHAScheduler(
-                time_attr="epoch", max_t=cfg.epochs, grace_period=cfg.grace_period, reduction_factor=cfg.reduction_factor
+                time_attr="epoch",
+                max_t=cfg.epochs,
+                grace_period=cfg.grace_period,
+                reduction_factor=cfg.reduction_factor,
             )
         tuner = tune.Tuner(
             trainable,
@@ -204,7 +213,9 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
         "experiment": experiment,
         **written,
         "metric": cfg.metric,
-        "best": {k: best[k] for k in ("trial", *PER_TRIAL, "effective_lr", f"best_{cfg.metric}", "epochs_run")} if best else None,
+        "best": {k: best[k] for k in ("trial", *PER_TRIAL, "effective_lr", f"best_{cfg.metric}", "epochs_run")}
+        if best
+        else None,
         "trials": len(rows),
         "trials_by_status": dict(Counter(row["status"] for row in rows)),
         "max_concurrent_trials": max_concurrent,

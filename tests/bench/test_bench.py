@@ -13,14 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_readme import readme_commands
 
 from helpers import assert_usage_error, run_cli, run_cli_json
-from test_readme import readme_commands
 
 # Figures that may be zero: a share of idle time, a distance from a formula, or the bubble a
 # one-stage layout (the hybrid case's pure data parallel) has by the formula; the loss difference
 # of two runs that train on the same samples.
-MAY_BE_ZERO = ("bubble_fraction", "bubble_gap", "index", "bubble_formula", "bubble_for_stage_times", "niceness", "loss_difference")
+MAY_BE_ZERO = (
+    "bubble_fraction",
+    "bubble_gap",
+    "index",
+    "bubble_formula",
+    "bubble_for_stage_times",
+    "niceness",
+    "loss_difference",
+)
 
 
 def figures(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -63,7 +71,9 @@ def assert_spread(figure: dict) -> None:
 
 
 # The README's tiny bench (docs/performance.md shows it too): this test is where it runs.
-TINY_BENCH = next(command for command in readme_commands() if command.startswith("raytrain-mp bench pipeline --out bench-tiny "))
+TINY_BENCH = next(
+    command for command in readme_commands() if command.startswith("raytrain-mp bench pipeline --out bench-tiny ")
+)
 
 
 @pytest.mark.slow
@@ -101,19 +111,27 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, monkeypatch):
             assert_spread(run["step_seconds"])
             assert_spread(run["queued_step_seconds"])
             # the seeds' split runs in --resnet-rounds 2 against native, its --steps 1 pooled
-            assert len(run["samples"]["step_seconds"]) == len(run.get("round_medians", {}).get("step_seconds", [0])) == (2 if name == "fixed" else 1)
+            assert (
+                len(run["samples"]["step_seconds"])
+                == len(run.get("round_medians", {}).get("step_seconds", [0]))
+                == (2 if name == "fixed" else 1)
+            )
             assert 0 <= run["queued_bubble_fraction"]["min"] and run["queued_bubble_fraction"]["max"] < 1
             assert len(run["busy_seconds"]) == 2
             # --memory-format auto: per actor, each stage's layout as measured at this point
             assert [len(stages) for stages in run["memory_formats"]] == [virtual, virtual]
             assert {layout for stages in run["memory_formats"] for layout in stages} <= {"channels_last", "contiguous"}
-            assert len(run.get("peak_activation_bytes", [0, 0])) == 2 and ("peak_activation_bytes" in run) == (virtual == 1)
+            assert len(run.get("peak_activation_bytes", [0, 0])) == 2 and ("peak_activation_bytes" in run) == (
+                virtual == 1
+            )
             assert run["bubble_formula"] == 1 / (virtual * run["microbatches"] + 1)
             assert ("bubble_for_stage_times" in run) == (virtual == 1)
             assert 0 <= run.get("bubble_for_stage_times", 0) < 1
     assert results["layouts"]["fixed"]["plan"][1]["blocks"][0] == "layer3.0.conv1"  # the seeds' split
     balanced_trials = results["layouts"]["balanced"]["balance_trials"]
-    assert results["summary"]["balanced_trial_bubbles"] == {",".join(t["split_points"]): t["bubble_fraction"] for t in balanced_trials}
+    assert results["summary"]["balanced_trial_bubbles"] == {
+        ",".join(t["split_points"]): t["bubble_fraction"] for t in balanced_trials
+    }
     assert [(s["schedule"], s["microbatches"]) for s in results["layouts"]["fixed"]["skipped"]] == [("1f1b", 1)]
     gpipe2, one_f2 = (
         next(r for r in results["layouts"]["fixed"]["runs"] if r["schedule"] == s and r["microbatches"] == 2)
@@ -145,14 +163,37 @@ def assert_overhead(results: dict, printed: dict) -> None:
     """The overhead case ran the 3-layer MLP on 2 stages, ours and native at every m the schedule
     allows, and compares them point by point and at m=8 in the summary."""
     overhead = results["overhead"]
-    assert set(overhead) == {"model", "batch_size", "stages", "warmup", "steps", "steps_per_call", "rounds", "layouts", "runs", "skipped", "native"}
-    assert (overhead["batch_size"], overhead["stages"], overhead["steps"], overhead["steps_per_call"], overhead["rounds"]) == (64, 2, 2, 8, 1)
+    assert set(overhead) == {
+        "model",
+        "batch_size",
+        "stages",
+        "warmup",
+        "steps",
+        "steps_per_call",
+        "rounds",
+        "layouts",
+        "runs",
+        "skipped",
+        "native",
+    }
+    assert (
+        overhead["batch_size"],
+        overhead["stages"],
+        overhead["steps"],
+        overhead["steps_per_call"],
+        overhead["rounds"],
+    ) == (64, 2, 2, 8, 1)
     # 4 Linear layers, so that 2 stages x 2 virtual stages get one each; the stage actors run at
     # torchrun's niceness (this suite runs as root, which may lower Ray's 15)
     niceness = [0, 0] if os.geteuid() == 0 else [15, 15]
     assert overhead["layouts"] == [
         {"virtual_stages": 1, "split_points": ["4+5"], "schedules": ["gpipe", "1f1b"], "stage_niceness": niceness},
-        {"virtual_stages": 2, "split_points": ["2+3", "4+5", "6"], "schedules": ["interleaved-1f1b"], "stage_niceness": niceness},
+        {
+            "virtual_stages": 2,
+            "split_points": ["2+3", "4+5", "6"],
+            "schedules": ["interleaved-1f1b"],
+            "stage_niceness": niceness,
+        },
     ]
     assert overhead["native"]["backend"] in ("gloo", "nccl") and overhead["native"]["world"] == 2
     runs = {(r["schedule"], r["microbatches"]): r for r in overhead["runs"]}
@@ -160,13 +201,33 @@ def assert_overhead(results: dict, printed: dict) -> None:
     assert list(runs) == [("gpipe", 1), ("gpipe", 8), ("1f1b", 8), ("interleaved-1f1b", 1), ("interleaved-1f1b", 8)]
     skipped = [(s["side"], s["schedule"], s["microbatches"]) for s in overhead["skipped"]]
     assert skipped == [("ours", "1f1b", 1), ("native", "1f1b", 1)]
-    keys = {"schedule", "microbatches", "virtual_stages", "ours_ms", "ours_in_ranks_ms", "ours_queued_ms", "native_ms", "native_queued_ms",
-            "native_over_ours", "native_over_ours_in_ranks", "native_over_ours_queued", "native_over_ours_queued_by_round",
-            "bubble_fraction", "bubble_formula"}  # fmt: skip
+    keys = {
+        "schedule",
+        "microbatches",
+        "virtual_stages",
+        "ours_ms",
+        "ours_in_ranks_ms",
+        "ours_queued_ms",
+        "native_ms",
+        "native_queued_ms",
+        "native_over_ours",
+        "native_over_ours_in_ranks",
+        "native_over_ours_queued",
+        "native_over_ours_queued_by_round",
+        "bubble_fraction",
+        "bubble_formula",
+    }
     for (schedule, m), run in runs.items():
         virtual = 2 if schedule.startswith("interleaved") else 1
         assert set(run) == keys and run["virtual_stages"] == virtual
-        for figure in ("ours_ms", "ours_in_ranks_ms", "ours_queued_ms", "native_ms", "native_queued_ms", "bubble_fraction"):
+        for figure in (
+            "ours_ms",
+            "ours_in_ranks_ms",
+            "ours_queued_ms",
+            "native_ms",
+            "native_queued_ms",
+            "bubble_fraction",
+        ):
             assert_spread(run[figure])
         assert run["ours_in_ranks_ms"]["median"] <= run["ours_ms"]["median"]  # the rank's part of the call
         assert 0 <= run["bubble_fraction"]["min"] and run["bubble_fraction"]["max"] < 1
@@ -202,10 +263,20 @@ def assert_native(results: dict) -> None:
         assert native["split"] == "fixed"
         assert {(r["schedule"], r["microbatches"]) for r in native["runs"]} == measured
         for run in native["runs"]:
-            assert set(run) == {"schedule", "microbatches", "step_seconds", "samples", "samples_per_second", "round_medians"}
+            assert set(run) == {
+                "schedule",
+                "microbatches",
+                "step_seconds",
+                "samples",
+                "samples_per_second",
+                "round_medians",
+            }
             assert_spread(run["step_seconds"])
             # --steps 1 in each of --resnet-rounds 2: the rounds' medians are the pooled samples
-            assert run["samples"]["step_seconds"] == run["round_medians"]["step_seconds"] and len(run["round_medians"]["step_seconds"]) == 2
+            assert (
+                run["samples"]["step_seconds"] == run["round_medians"]["step_seconds"]
+                and len(run["round_medians"]["step_seconds"]) == 2
+            )
             assert run["samples_per_second"] == pytest.approx(8 / run["step_seconds"]["median"])
         (skip,) = native["skipped"]
         assert (skip["schedule"], skip["microbatches"]) == ("1f1b", 1) and "stages" in skip["reason"]
@@ -220,15 +291,25 @@ def assert_native(results: dict) -> None:
         assert {(s, int(m)) for s, by_m in ratios.items() for m in by_m} == measured
         for schedule, by_m in ratios.items():
             for m, ratio in by_m.items():
-                native_run = next(r for r in results[side]["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
-                ours = next(r for r in results["layouts"]["fixed"]["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m))
+                native_run = next(
+                    r for r in results[side]["runs"] if r["schedule"] == schedule and r["microbatches"] == int(m)
+                )
+                ours = next(
+                    r
+                    for r in results["layouts"]["fixed"]["runs"]
+                    if r["schedule"] == schedule and r["microbatches"] == int(m)
+                )
                 assert math.isclose(ratio, native_run["step_seconds"]["median"] / ours[figure]["median"])
                 if key == "ours_over_native":
-                    rounds = zip(native_run["round_medians"]["step_seconds"], ours["round_medians"]["step_seconds"], strict=True)
+                    rounds = zip(
+                        native_run["round_medians"]["step_seconds"], ours["round_medians"]["step_seconds"], strict=True
+                    )
                     assert summary["ours_over_native_by_round"][schedule][m] == [theirs / own for theirs, own in rounds]
     native = results["native"]
     assert (summary["best_native"]["schedule"], summary["best_native"]["microbatches"]) in measured
-    assert summary["best_native_seconds"] == min(r["step_seconds"]["median"] for r in native["runs"] if r["microbatches"] > 1)
+    assert summary["best_native_seconds"] == min(
+        r["step_seconds"]["median"] for r in native["runs"] if r["microbatches"] > 1
+    )
 
 
 @pytest.mark.slow
@@ -250,7 +331,12 @@ def test_bench_ddp_smoke(ray_session, tmp_path):
     assert set(results["ours_over_bare"]) == {"2"}
     assert results["one_process"]["device"] == "cpu" and results["settings"]["use_gpu"] is False
     assert results["data_parallel"] is None
-    assert results["skipped"] == [{"variant": "data_parallel", "reason": "nn.DataParallel runs on CUDA GPUs; this run is on CPUs (--no-use-gpu or no GPU for each worker)"}]
+    assert results["skipped"] == [
+        {
+            "variant": "data_parallel",
+            "reason": "nn.DataParallel runs on CUDA GPUs; this run is on CPUs (--no-use-gpu or no GPU for each worker)",
+        }
+    ]
     assert_figures_positive({k: v for k, v in results.items() if k != "data_parallel"})
 
 
@@ -260,11 +346,18 @@ def test_bench_data_smoke(tmp_path):
     summary = run_cli_json("bench", "data", "--out", str(out), "--num-images", "32", "--loader-batch-size", "8",
                            "--loader-workers", "1,2", "--repeats", "1")  # fmt: skip
     results = json.loads((out / "results.json").read_text())
-    assert [Path(p).name for p in summary["plots"]] == [f"{case}_per_process.png" for case in ("raw_32", "raw_224", "encoded_jpeg_224")]
+    assert [Path(p).name for p in summary["plots"]] == [
+        f"{case}_per_process.png" for case in ("raw_32", "raw_224", "encoded_jpeg_224")
+    ]
     assert all(Path(p).stat().st_size > 0 for p in summary["plots"])
     assert_machine(results)
     cases = results["cases"]
-    assert set(cases["raw_224"]["loaders"]) == {"ours_uint8", "ours_plus_cpu_transform", "per_sample_float_before", "torchvision_imagefolder_pil"}
+    assert set(cases["raw_224"]["loaders"]) == {
+        "ours_uint8",
+        "ours_plus_cpu_transform",
+        "per_sample_float_before",
+        "torchvision_imagefolder_pil",
+    }
     assert set(cases["encoded_jpeg_224"]["loaders"]) == {"ours_uint8", "torchvision_imagefolder_pil"}
     assert cases["raw_224"]["stored_bytes_per_image"] == 224 * 224 * 3
     assert cases["encoded_jpeg_224"]["stored_bytes_per_image"] < 224 * 224 * 3 and cases["encoded_jpeg_224"]["encoded"]
@@ -287,16 +380,26 @@ def test_bench_data_pipeline_input_smoke(ray_session, tmp_path):
     """The pipeline run loop fed by the driver (before) and by stage 0's loader (after), on the
     session's Ray: same steps, same samples (equal losses), every figure and ratio there."""
     out = tmp_path / "pipeline_input"
-    summary = run_cli_json("bench", "data", "--out", str(out), "--cases", "pipeline_input_jpeg_224", "--num-images", "24",
-                           "--pipeline-steps", "2", "--pipeline-warmup", "1", "--pipeline-batch-size", "8", "--repeats", "1")  # fmt: skip
+    summary = run_cli_json("bench", "data", "--out", str(out), "--cases", "pipeline_input_jpeg_224",
+                           "--num-images", "24", "--pipeline-steps", "2", "--pipeline-warmup", "1",
+                           "--pipeline-batch-size", "8", "--repeats", "1")  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     name = "pipeline_input_jpeg_224"
-    assert [Path(p).name for p in summary["plots"]] == [f"{name}_samples_per_second.png", f"{name}_driver_cpu_per_sample.png"]
+    assert [Path(p).name for p in summary["plots"]] == [
+        f"{name}_samples_per_second.png",
+        f"{name}_driver_cpu_per_sample.png",
+    ]
     assert all(Path(p).stat().st_size > 0 for p in summary["plots"])
     assert_machine(results)
     assert list(results["cases"]) == [name] and results["ratios"] == {"per_process": {}, "samples_per_cpu_second": {}}
     case = results["cases"][name]
-    assert (case["image_size"], case["encoded"], case["batch_size"], case["microbatches"], case["loader_workers"]) == (224, True, 8, 4, 1)
+    assert (case["image_size"], case["encoded"], case["batch_size"], case["microbatches"], case["loader_workers"]) == (
+        224,
+        True,
+        8,
+        4,
+        1,
+    )
     assert case["images"] == 24 and case["train_images"] == 23
     before, after = case["runs"]["driver_reads"], case["runs"]["stage_loaders"]
     for run in (before, after):
@@ -330,43 +433,78 @@ def test_pipeline_input_case_makes_an_epoch_per_pass():
 
 def test_bench_bad_input(capsys, tmp_path):
     out = str(tmp_path / "x")
-    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--split-points", "layer2,layer3"), "--split-points")
+    assert_usage_error(
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--split-points", "layer2,layer3"), "--split-points"
+    )
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--microbatches", "1,65"), "--microbatches")
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--stages", "1"), "--stages")
-    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-microbatches", "0,2"), "--overhead-microbatches")
     assert_usage_error(
-        run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-batch-size", "8", "--overhead-microbatches", "4,16"),
-        "--overhead-microbatches", "between 1 and --overhead-batch-size 8", "[16]",
-    )  # fmt: skip
-    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-batch-size", "0"), "--overhead-batch-size")
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-microbatches", "0,2"), "--overhead-microbatches"
+    )
+    assert_usage_error(
+        run_cli(
+            capsys, "bench", "pipeline", "--out", out, "--overhead-batch-size", "8", "--overhead-microbatches", "4,16"
+        ),
+        "--overhead-microbatches",
+        "between 1 and --overhead-batch-size 8",
+        "[16]",
+    )
+    assert_usage_error(
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-batch-size", "0"), "--overhead-batch-size"
+    )
     assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-steps", "0"), "--overhead-steps")
-    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-rounds", "0"), "--overhead-rounds: must be >= 1, got 0")
-    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--resnet-rounds", "0"), "--resnet-rounds: must be >= 1, got 0")
-    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--balance-trials", "-1"), "--balance-trials: must be >= 0, got -1")
-    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--memory-format", "nhwc"), "--memory-format", "'nhwc'")
+    assert_usage_error(
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-rounds", "0"),
+        "--overhead-rounds: must be >= 1, got 0",
+    )
+    assert_usage_error(
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--resnet-rounds", "0"),
+        "--resnet-rounds: must be >= 1, got 0",
+    )
+    assert_usage_error(
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--balance-trials", "-1"),
+        "--balance-trials: must be >= 0, got -1",
+    )
+    assert_usage_error(
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--memory-format", "nhwc"), "--memory-format", "'nhwc'"
+    )
     assert_usage_error(
         run_cli(capsys, "bench", "pipeline", "--out", out, "--balance-microbatches", "3"),
         "--balance-microbatches: must divide --global-batch-size 64 for --balance-trials' steps, got 3",
     )
     assert_usage_error(
-        run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-schedules", "gpipe,zigzag"), "--overhead-schedules", "zigzag"
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--overhead-schedules", "gpipe,zigzag"),
+        "--overhead-schedules",
+        "zigzag",
     )
-    assert_usage_error(run_cli(capsys, "bench", "pipeline", "--out", out, "--hybrid-workers", "0"), "--hybrid-workers: must be >= 1")
+    assert_usage_error(
+        run_cli(capsys, "bench", "pipeline", "--out", out, "--hybrid-workers", "0"), "--hybrid-workers: must be >= 1"
+    )
     assert_usage_error(
         run_cli(capsys, "bench", "pipeline", "--out", out, "--hybrid-workers", "4", "--hybrid-microbatches", "6"),
         "--hybrid-microbatches: must be a multiple of --hybrid-workers 4 that divides --global-batch-size 64, got 6",
-    )  # fmt: skip
+    )
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--num-workers", "0"), "--num-workers")
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--steps", "0"), "--steps")
     assert_usage_error(run_cli(capsys, "bench", "ddp"), "--out")
-    assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--loader-workers", "0,1"), "--loader-workers: each count must be >= 1")
-    assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--num-images", "40"), "--num-images: must be at least twice --loader-batch-size 32")
-    assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--repeats", "0"), "--repeats: must be >= 1")
-    assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--cases", "raw_32,jpeg"), "--cases: unknown case(s) ['jpeg']")
     assert_usage_error(
-        run_cli(capsys, "bench", "data", "--out", out, "--cases", "pipeline_input_jpeg_224", "--pipeline-batch-size", "6"),
+        run_cli(capsys, "bench", "data", "--out", out, "--loader-workers", "0,1"),
+        "--loader-workers: each count must be >= 1",
+    )
+    assert_usage_error(
+        run_cli(capsys, "bench", "data", "--out", out, "--num-images", "40"),
+        "--num-images: must be at least twice --loader-batch-size 32",
+    )
+    assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--repeats", "0"), "--repeats: must be >= 1")
+    assert_usage_error(
+        run_cli(capsys, "bench", "data", "--out", out, "--cases", "raw_32,jpeg"), "--cases: unknown case(s) ['jpeg']"
+    )
+    assert_usage_error(
+        run_cli(
+            capsys, "bench", "data", "--out", out, "--cases", "pipeline_input_jpeg_224", "--pipeline-batch-size", "6"
+        ),
         "--pipeline-batch-size: must be a positive multiple of --pipeline-microbatches 4, got 6",
-    )  # fmt: skip
+    )
 
 
 def test_bench_refuses_gpus_that_are_not_there(capsys, tmp_path):
@@ -376,9 +514,14 @@ def test_bench_refuses_gpus_that_are_not_there(capsys, tmp_path):
 
     gpus = torch.cuda.device_count()
     stages = str(max(2, gpus + 1))
-    res = run_cli(capsys, "bench", "pipeline", "--use-gpu", "--stages", stages, "--split-points", ",".join(["layer3"] * (int(stages) - 1)),
+    res = run_cli(capsys, "bench", "pipeline", "--use-gpu", "--stages", stages,
+                  "--split-points", ",".join(["layer3"] * (int(stages) - 1)),
                   "--out", str(tmp_path / "p"))  # fmt: skip
-    assert_usage_error(res, f"--use-gpu: {stages} stages need {stages} GPUs (one each: NCCL ranks cannot share a GPU) and this machine has {gpus}")
+    assert_usage_error(
+        res,
+        f"--use-gpu: {stages} stages need {stages} GPUs (one each: NCCL ranks cannot share a GPU) and this machine "
+        f"has {gpus}",
+    )
     if gpus == 0:
         res = run_cli(capsys, "bench", "ddp", "--use-gpu", "--out", str(tmp_path / "d"))
         assert_usage_error(res, "--use-gpu: this machine has no CUDA GPU", "accepted: --no-use-gpu")
@@ -397,14 +540,21 @@ def test_rounds_pool_each_points_samples_and_keep_the_rounds_medians():
     from raytrain_mp.bench.pipeline.shared import pooled
 
     def run(m: int, steps: list[float], extra: dict) -> dict:
-        return {"schedule": "gpipe", "microbatches": m, "step_seconds": {"median": sorted(steps)[len(steps) // 2]},
-                "samples": {"step_seconds": steps}, **extra}  # fmt: skip
+        return {
+            "schedule": "gpipe",
+            "microbatches": m,
+            "step_seconds": {"median": sorted(steps)[len(steps) // 2]},
+            "samples": {"step_seconds": steps},
+            **extra,
+        }
 
     first = [run(2, [3.0, 1.0, 2.0], {"bubble_formula": 1 / 3, "busy_seconds": [1.0]}), run(4, [5.0], {})]
     second = [run(2, [9.0, 8.0, 7.0], {"bubble_formula": 1 / 3, "busy_seconds": [2.0]}), run(4, [6.0], {})]
     assert pooled([first, second]) == [
-        {"schedule": "gpipe", "microbatches": 2, "bubble_formula": 1 / 3, "busy_seconds": [1.0],  # measured once: the first round's
-         "step_seconds": {"median": 5.0, "min": 1.0, "max": 9.0}, "samples": {"step_seconds": [3.0, 1.0, 2.0, 9.0, 8.0, 7.0]},
+        {"schedule": "gpipe", "microbatches": 2, "bubble_formula": 1 / 3,
+         "busy_seconds": [1.0],  # measured once: the first round's
+         "step_seconds": {"median": 5.0, "min": 1.0, "max": 9.0},
+         "samples": {"step_seconds": [3.0, 1.0, 2.0, 9.0, 8.0, 7.0]},
          "round_medians": {"step_seconds": [2.0, 8.0]}},
         {"schedule": "gpipe", "microbatches": 4, "step_seconds": {"median": 5.5, "min": 5.0, "max": 6.0},
          "samples": {"step_seconds": [5.0, 6.0]}, "round_medians": {"step_seconds": [5.0, 6.0]}},
@@ -427,13 +577,17 @@ def test_timeline_script_records_every_op_of_both_runtimes(tmp_path):
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "RANK")}
     rounds, steps, warmup, m = 1, 2, 1, 2
     done = subprocess.run(
-        [sys.executable, str(script), "--model", "resnet18", "--image-size", "16", "--global-batch-size", "8", "--microbatches", str(m),
-         "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup), "--out", str(tmp_path)],
+        [sys.executable, str(script), "--model", "resnet18", "--image-size", "16", "--global-batch-size", "8",
+         "--microbatches", str(m), "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup),
+         "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    recorded = [json.loads(line) for path in (tmp_path / "spans").glob("*.jsonl") for line in path.read_text().splitlines()]
-    # ours: one step a call, then queued (bench.pipeline.timing.pipeline_run), each warm-up + steps; torch: warm-up + steps
+    recorded = [
+        json.loads(line) for path in (tmp_path / "spans").glob("*.jsonl") for line in path.read_text().splitlines()
+    ]
+    # ours: one step a call, then queued (bench.pipeline.timing.pipeline_run), each warm-up + steps;
+    # torch: warm-up + steps
     per_rank = {"ours": rounds * 2 * (warmup + steps), "torch": rounds * (warmup + steps)}
     for runtime, count in per_rank.items():
         for schedule in ("gpipe", "1f1b"):
@@ -444,7 +598,10 @@ def test_timeline_script_records_every_op_of_both_runtimes(tmp_path):
                     ops = sorted(step["ops"], key=lambda op: op[3])
                     # ours splits the last backward of every stage but the first (stage.split_last_backward)
                     split = [("W", m - 1)] if (runtime, rank) == ("ours", 1) else []
-                    assert sorted((kind, chunk) for kind, _, chunk, _, _ in ops) == [("B", i) for i in range(m)] + [("F", i) for i in range(m)] + split
+                    assert (
+                        sorted((kind, chunk) for kind, _, chunk, _, _ in ops)
+                        == [("B", i) for i in range(m)] + [("F", i) for i in range(m)] + split
+                    )
                     assert {stage for _, stage, _, _, _ in ops} == {rank}
                     assert 0 <= ops[0][3] and ops[-1][4] <= step["wall"]
                     assert all(earlier[4] <= later[3] for earlier, later in zip(ops, ops[1:]))
@@ -457,7 +614,10 @@ def test_timeline_script_records_every_op_of_both_runtimes(tmp_path):
             runtime: [count - rounds * warmup] * 2 for runtime, count in per_rank.items()
         }
         for ratio, ours, torch_ in zip(point["torch_over_ours"], ranks["ours"], ranks["torch"], strict=True):
-            assert all(math.isclose(ratio[f], torch_[f] / ours[f]) for f in ("wall", "forward", "backward", "idle", "forward_op", "backward_op"))
+            assert all(
+                math.isclose(ratio[f], torch_[f] / ours[f])
+                for f in ("wall", "forward", "backward", "idle", "forward_op", "backward_op")
+            )
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -471,7 +631,11 @@ def test_step_split_script_times_both_loops_in_both_places():
     script = Path(__file__).resolve().parents[2] / "scripts" / "pipeline_step_split.py"
     env = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "RANK")}
     done = subprocess.run(
-        [sys.executable, str(script), "--schedule", "1f1b", "--rounds", "2"], capture_output=True, text=True, timeout=600, env=env
+        [sys.executable, str(script), "--schedule", "1f1b", "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     split = json.loads(done.stdout)

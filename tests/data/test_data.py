@@ -13,11 +13,12 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from helpers import assert_usage_error, run_cli
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.sources import make_synthetic_source
 from raytrain_mp.ddp.distributed_eval import ShardSampler
 from raytrain_mp.errors import UsageError
+
+from helpers import assert_usage_error, run_cli
 
 
 def all_samples(root) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -120,7 +121,9 @@ def write_png_tree(root, sizes=None) -> dict[str, list[np.ndarray]]:
 def test_imagefolder_pngs(tmp_path, capsys):
     arrays = write_png_tree(tmp_path / "tree")
     out = tmp_path / "prepared"
-    res = run_cli(capsys, "data", "prepare", f"imagefolder:{tmp_path / 'tree'}", "--out", str(out), "--val-fraction", "0.3")
+    res = run_cli(
+        capsys, "data", "prepare", f"imagefolder:{tmp_path / 'tree'}", "--out", str(out), "--val-fraction", "0.3"
+    )
     assert res.code == 0, res.err
     images, labels, ids = all_samples(out)
     expected = arrays["cat"] + arrays["dog"]  # ImageFolder order: classes sorted, files sorted
@@ -203,7 +206,8 @@ def test_unknown_source(tmp_path, capsys):
 
 def test_unknown_option_real_process(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "raytrain_mp.cli", "data", "prepare", "digits", "--out", str(tmp_path / "o"), "--colour", "x"],
+        [sys.executable, "-m", "raytrain_mp.cli", "data", "prepare", "digits", "--out", str(tmp_path / "o"),
+         "--colour", "x"],
         capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 2
@@ -239,7 +243,16 @@ def test_cifar_labels_out_of_range(tmp_path, capsys):
 
 def test_empty_split(tmp_path, capsys):
     write_png_tree(tmp_path / "tree")
-    res = run_cli(capsys, "data", "prepare", f"imagefolder:{tmp_path / 'tree'}", "--out", str(tmp_path / "o"), "--val-fraction", "0.01")
+    res = run_cli(
+        capsys,
+        "data",
+        "prepare",
+        f"imagefolder:{tmp_path / 'tree'}",
+        "--out",
+        str(tmp_path / "o"),
+        "--val-fraction",
+        "0.01",
+    )
     assert_usage_error(res, "--val-fraction 0.01", "empty train or val split")
     assert_nothing_written(tmp_path / "o")
 
@@ -249,7 +262,9 @@ def test_mixed_image_sizes(tmp_path, capsys):
     res = run_cli(capsys, "data", "prepare", f"imagefolder:{tmp_path / 'tree'}", "--out", str(tmp_path / "o"))
     assert_usage_error(res, "--image-size")
     assert_nothing_written(tmp_path / "o")
-    res = run_cli(capsys, "data", "prepare", f"imagefolder:{tmp_path / 'tree'}", "--out", str(tmp_path / "o"), "--image-size", "5")
+    res = run_cli(
+        capsys, "data", "prepare", f"imagefolder:{tmp_path / 'tree'}", "--out", str(tmp_path / "o"), "--image-size", "5"
+    )
     assert res.code == 0 and read_meta(str(tmp_path / "o")).image_shape == (5, 5, 3)
 
 

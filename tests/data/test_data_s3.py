@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.fs as pafs
 
-from helpers import assert_usage_error, run_cli
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.storage import join, locate
+
+from helpers import assert_usage_error, run_cli
 
 
 def test_prepare_into_a_bucket_reads_back_as_the_local_data_set(bucket, tmp_path, capsys, monkeypatch):
@@ -22,10 +23,18 @@ def test_prepare_into_a_bucket_reads_back_as_the_local_data_set(bucket, tmp_path
     assert res.code == 0, res.err
 
     where = locate(uri, "--out")
-    files = sorted(i.path[len(where.path) + 1:] for i in where.fs.get_file_info(pafs.FileSelector(where.path, recursive=True))
-                   if i.type == pafs.FileType.File)  # fmt: skip
-    assert files == ["metadata.json", "train/part-00000.parquet", "train/part-00001.parquet", "train/part-00002.parquet",
-                     "val/part-00000.parquet"]  # fmt: skip
+    files = sorted(
+        i.path[len(where.path) + 1 :]
+        for i in where.fs.get_file_info(pafs.FileSelector(where.path, recursive=True))
+        if i.type == pafs.FileType.File
+    )
+    assert files == [
+        "metadata.json",
+        "train/part-00000.parquet",
+        "train/part-00001.parquet",
+        "train/part-00002.parquet",
+        "val/part-00000.parquet",
+    ]
     assert read_meta(uri) == read_meta(str(tmp_path / "local"))
     remote, local = ParquetImageDataset(uri, "train"), ParquetImageDataset(str(tmp_path / "local"), "train")
     assert len(remote) == len(local) == 1438

@@ -14,7 +14,6 @@ import torch
 from PIL import Image
 from torch.utils.data import DistributedSampler
 
-from helpers import assert_usage_error, make_image_folder, run_cli, run_cli_json
 from raytrain_mp.bench.data_peers import PerSampleFloatDataset
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.augment import SCALE, resized_crop
@@ -22,6 +21,8 @@ from raytrain_mp.data.loader import EpochKeys, make_loader
 from raytrain_mp.data.prepare import write_dataset
 from raytrain_mp.data.sources import make_synthetic_source
 from raytrain_mp.data.transforms import crop_flip, gathered, normalization
+
+from helpers import assert_usage_error, make_image_folder, run_cli, run_cli_json
 
 CPU = torch.device("cpu")
 
@@ -38,7 +39,9 @@ def test_device_transforms_equal_the_per_sample_path(synthetic, epoch):
     new = ParquetImageDataset(synthetic, "train", augment=True, seed=5)
     indices = list(range(len(new)))
     images, _, params = new.batch((epoch, i) for i in indices)
-    assert params[:, 2].sum() not in (0, len(indices)) and len(set(params[:, 0].tolist())) > 1  # crops and flips both vary
+    assert (
+        params[:, 2].sum() not in (0, len(indices)) and len(set(params[:, 0].tolist())) > 1
+    )  # crops and flips both vary
     # uint8: the crop and flip alone, exactly the old per-sample code's on the stored pixels.
     old = PerSampleFloatDataset(synthetic, "train", augment=True, seed=5, dtype=torch.float64)
     old.set_epoch(epoch)
@@ -59,7 +62,9 @@ def test_without_augmentation_the_transform_only_normalizes(synthetic):
     ds = ParquetImageDataset(synthetic, "val")
     images, _, params = ds.batch(range(len(ds)))
     old = PerSampleFloatDataset(synthetic, "val", dtype=torch.float64)
-    assert torch.equal(ds.transform(images, params, CPU, torch.float64), torch.stack([old[i][0] for i in range(len(ds))]))
+    assert torch.equal(
+        ds.transform(images, params, CPU, torch.float64), torch.stack([old[i][0] for i in range(len(ds))])
+    )
 
 
 def test_normalization_constants_are_made_once_per_device_and_dtype(synthetic):
@@ -110,7 +115,9 @@ def encoded(tmp_path_factory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("enc")
     folder = make_image_folder(base / "images")
     out = base / "prepared"
-    assert run_cli_json("data", "prepare", f"imagefolder:{folder}", "--encoded", "--image-size", "32", "--out", str(out))["encoded"]
+    assert run_cli_json(
+        "data", "prepare", f"imagefolder:{folder}", "--encoded", "--image-size", "32", "--out", str(out)
+    )["encoded"]
     return folder, out
 
 
@@ -123,8 +130,12 @@ def test_encoded_folder_keeps_the_files_and_decodes_to_the_recipe(encoded):
     stored = {train.stored(i) for i in range(len(train))}
     assert stored <= {f.read_bytes() for f in files}  # each file's own bytes, at its own size
     # The mean and std are of every train pixel, as decoded.
-    pixels = np.concatenate([np.asarray(Image.open(files[i]).convert("RGB")).reshape(-1, 3) for i in train.ids]).astype(np.float64)
-    assert np.allclose(meta.mean, pixels.mean(axis=0), rtol=1e-9) and np.allclose(meta.std, pixels.std(axis=0), rtol=1e-9)
+    pixels = np.concatenate([np.asarray(Image.open(files[i]).convert("RGB")).reshape(-1, 3) for i in train.ids]).astype(
+        np.float64
+    )
+    assert np.allclose(meta.mean, pixels.mean(axis=0), rtol=1e-9) and np.allclose(
+        meta.std, pixels.std(axis=0), rtol=1e-9
+    )
     image, _, params = train[(2, 4)]
     assert image.shape == (3, 32, 32) and image.dtype == torch.uint8 and params[:2].tolist() == [0, 0]
     assert torch.equal(image, train[(2, 4)][0]) and not torch.equal(image, train[(3, 4)][0])
@@ -165,6 +176,8 @@ def test_the_gpu_check_script_skips_cleanly_without_cuda(tmp_path):
     import sys
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check_data.py"
-    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and done.stdout.startswith("gpu_check_data: skipped"), done.stderr[-2000:]
     assert "skipped" in json.loads((tmp_path / "gpu_check_data.json").read_text())

@@ -18,10 +18,11 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import MIXED_MODES, mixed_mode_image_folder, png16_bytes, run_cli, run_cli_json
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.encoded import check_file, decode
 from raytrain_mp.data.pixels import to_uint8, to_uint8_image
+
+from helpers import MIXED_MODES, mixed_mode_image_folder, png16_bytes, run_cli, run_cli_json
 
 GRAY16 = [0, 257 * 100, 65535, 255, 256, 256 * 100 + 255]  # 16-bit samples
 GRAY16_8 = [0, 100, 255, 0, 1, 100]  # >> 8: the full range scaled, not clipped at 255
@@ -78,28 +79,56 @@ CASES = [
     ("I;16 PNG to RGB", gray16_png, 3, [[[v] * 3 for v in GRAY16_8]]),
     ("I;16B", lambda: Image.frombytes("I;16B", (6, 1), row(GRAY16, ">u2").tobytes()), 3, [[[v] * 3 for v in GRAY16_8]]),
     ("I;16L", lambda: Image.frombytes("I;16L", (6, 1), row(GRAY16, "<u2").tobytes()), 1, [[[v] for v in GRAY16_8]]),
-    ("I 32-bit", lambda: Image.fromarray(row([-5, 0, 257 * 100, 65535, 70000], np.int32)), 3,
-     [[[0] * 3, [0] * 3, [100] * 3, [255] * 3, [255] * 3]]),
-    ("F", lambda: Image.fromarray(row([-3, 0.4, 1.5, 254.6, 300, np.nan], np.float32)), 1,
-     [[[0], [0], [1], [254], [255], [0]]]),
-    ("16-bit RGB PNG", lambda: png16([[[0, 256 * 100 + 200, 65535], [256, 511, 65280]]]), 3,
-     [[[0, 100, 255], [1, 1, 255]]]),
-    ("16-bit RGBA PNG", lambda: png16([[[0, 25700, 65535, 0], [256, 511, 65280, 32896]]]), 3,
-     [[[0, 100, 255], [1, 1, 255]]]),  # alpha dropped, not composited
-    ("16-bit RGBA PNG to RGBA", lambda: png16([[[0, 25700, 65535, 0], [256, 511, 65280, 32896]]]), 4,
-     [[[0, 100, 255, 0], [1, 1, 255, 128]]]),
+    (
+        "I 32-bit",
+        lambda: Image.fromarray(row([-5, 0, 257 * 100, 65535, 70000], np.int32)),
+        3,
+        [[[0] * 3, [0] * 3, [100] * 3, [255] * 3, [255] * 3]],
+    ),
+    (
+        "F",
+        lambda: Image.fromarray(row([-3, 0.4, 1.5, 254.6, 300, np.nan], np.float32)),
+        1,
+        [[[0], [0], [1], [254], [255], [0]]],
+    ),
+    (
+        "16-bit RGB PNG",
+        lambda: png16([[[0, 256 * 100 + 200, 65535], [256, 511, 65280]]]),
+        3,
+        [[[0, 100, 255], [1, 1, 255]]],
+    ),
+    (
+        "16-bit RGBA PNG",
+        lambda: png16([[[0, 25700, 65535, 0], [256, 511, 65280, 32896]]]),
+        3,
+        [[[0, 100, 255], [1, 1, 255]]],
+    ),  # alpha dropped, not composited
+    (
+        "16-bit RGBA PNG to RGBA",
+        lambda: png16([[[0, 25700, 65535, 0], [256, 511, 65280, 32896]]]),
+        4,
+        [[[0, 100, 255, 0], [1, 1, 255, 128]]],
+    ),
     ("16-bit LA PNG", lambda: png16([[[256 * 100 + 200, 65535], [65535, 255]]]), 3, [[[100] * 3, [255] * 3]]),
     ("LA", lambda: reopened(Image.fromarray(row([[10, 20], [200, 0]], np.uint8))), 3, [[[10] * 3, [200] * 3]]),
-    ("LA to RGBA", lambda: reopened(Image.fromarray(row([[10, 20], [200, 0]], np.uint8))), 4,
-     [[[10, 10, 10, 20], [200, 200, 200, 0]]]),
+    (
+        "LA to RGBA",
+        lambda: reopened(Image.fromarray(row([[10, 20], [200, 0]], np.uint8))),
+        4,
+        [[[10, 10, 10, 20], [200, 200, 200, 0]]],
+    ),
     ("P with transparency", palette_png, 3, [[[0, 0, 0], [255, 0, 0], [0, 255, 0]]]),
     ("P to RGBA", palette_png, 4, [[[0, 0, 0, 255], [255, 0, 0, 0], [0, 255, 0, 128]]]),
     ("P to L", palette_png, 1, [[[0], [76], [150]]]),  # ITU-R 601-2 luma
     ("CMYK", cmyk, 3, [[[0, 255, 255], [0, 0, 0], [255, 255, 255], [124, 204, 0]]]),
     ("1-bit PNG", bilevel_png, 3, [[[0] * 3, [255] * 3]]),
     ("L to RGB", lambda: Image.fromarray(row([7, 250], np.uint8)), 3, [[[7] * 3, [250] * 3]]),
-    ("RGB to L", lambda: Image.fromarray(row([[255, 0, 0], [0, 0, 255], [10, 20, 30]], np.uint8)), 1,
-     [[[76], [29], [18]]]),
+    (
+        "RGB to L",
+        lambda: Image.fromarray(row([[255, 0, 0], [0, 0, 255], [10, 20, 30]], np.uint8)),
+        1,
+        [[[76], [29], [18]]],
+    ),
     ("RGB to RGBA", lambda: Image.fromarray(row([[1, 2, 3]], np.uint8)), 4, [[[1, 2, 3, 255]]]),
 ]
 
@@ -152,7 +181,9 @@ def sample_files(folder, ds: ParquetImageDataset) -> list:
 def test_prepare_of_a_mixed_mode_folder_decodes_and_collates(tmp_path, capsys):
     folder = mixed_mode_image_folder(tmp_path / "images")
     out = tmp_path / "prepared"
-    res = run_cli(capsys, "data", "prepare", f"imagefolder:{folder}", "--out", str(out), "--encoded", "--image-size", "16")
+    res = run_cli(
+        capsys, "data", "prepare", f"imagefolder:{folder}", "--out", str(out), "--encoded", "--image-size", "16"
+    )
     assert res.code == 0, res.err
     meta = read_meta(str(out))
     assert meta.encoded and meta.image_shape == (16, 16, 3) and meta.counts == {"train": 14, "val": 4}
@@ -167,8 +198,12 @@ def test_prepare_of_a_mixed_mode_folder_decodes_and_collates(tmp_path, capsys):
             assert labels.shape == (len(ds),) and params.shape == (len(ds), 3)
     # The mean/std are of the converted pixels of every train file: 16-bit ones >> 8, not clipped.
     train = ParquetImageDataset(str(out), "train")
-    pixels = np.concatenate([to_uint8(Image.open(f), 3).reshape(-1, 3) for f in sample_files(folder, train)]).astype(np.float64)
-    assert np.allclose(meta.mean, pixels.mean(axis=0), rtol=1e-9) and np.allclose(meta.std, pixels.std(axis=0), rtol=1e-9)
+    pixels = np.concatenate([to_uint8(Image.open(f), 3).reshape(-1, 3) for f in sample_files(folder, train)]).astype(
+        np.float64
+    )
+    assert np.allclose(meta.mean, pixels.mean(axis=0), rtol=1e-9) and np.allclose(
+        meta.std, pixels.std(axis=0), rtol=1e-9
+    )
 
 
 def test_a_raw_image_folder_converts_modes_the_same_way(tmp_path, capsys):
@@ -189,7 +224,9 @@ def test_a_raw_image_folder_converts_modes_the_same_way(tmp_path, capsys):
 def mixed_data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mixed")
     folder = mixed_mode_image_folder(root / "images")
-    run_cli_json("data", "prepare", f"imagefolder:{folder}", "--encoded", "--image-size", "16", "--out", str(root / "prepared"))
+    run_cli_json(
+        "data", "prepare", f"imagefolder:{folder}", "--encoded", "--image-size", "16", "--out", str(root / "prepared")
+    )
     return root / "prepared"
 
 
@@ -201,6 +238,7 @@ def mixed_data(tmp_path_factory) -> Path:
 def test_one_epoch_on_a_mixed_mode_folder(ray_session, mixed_data, tmp_path, command, options):
     result = run_cli_json(
         command, "--no-use-gpu", "--data", str(mixed_data), "--model", "resnet18", "--augment", "--loader-workers", "1",
-        "--epochs", "1", "--global-batch-size", "4", "--storage-path", str(tmp_path / "runs"), "--log-every", "0", *options,
+        "--epochs", "1", "--global-batch-size", "4", "--storage-path", str(tmp_path / "runs"), "--log-every", "0",
+        *options,
     )  # fmt: skip
     assert result["epochs"] == 1 and result["val_count"] == 4

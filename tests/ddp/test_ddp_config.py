@@ -13,9 +13,18 @@ from helpers import assert_usage_error, run_cli, session_cpus, session_gpus
 @pytest.mark.parametrize(
     "argv, fragments",
     [
-        (["--global-batch-size", "63"], ["--global-batch-size: 63 is not divisible by --num-workers 2", "multiple of 2"]),
-        (["--global-batch-size", "64", "--num-workers", "2", "--grad-accum-steps", "3"], ["x --grad-accum-steps 3", "multiple of 6"]),
-        (["--model", "vgg 16"], ["--model: 'vgg 16' is neither a torchvision model name (e.g. resnet18) nor package.module:callable"]),
+        (
+            ["--global-batch-size", "63"],
+            ["--global-batch-size: 63 is not divisible by --num-workers 2", "multiple of 2"],
+        ),
+        (
+            ["--global-batch-size", "64", "--num-workers", "2", "--grad-accum-steps", "3"],
+            ["x --grad-accum-steps 3", "multiple of 6"],
+        ),
+        (
+            ["--model", "vgg 16"],
+            ["--model: 'vgg 16' is neither a torchvision model name (e.g. resnet18) nor package.module:callable"],
+        ),
         (["--optimizer", "lamb"], ["--optimizer", "invalid choice: 'lamb'", "sgd", "adamw"]),
         (["--base-lr", "0"], ["--base-lr: must be > 0, got 0.0"]),
         (["--base-lr=-1e-3"], ["--base-lr: must be > 0, got -0.001"]),
@@ -31,14 +40,32 @@ from helpers import assert_usage_error, run_cli, session_cpus, session_gpus
         (["--loader-workers", "two"], ["--loader-workers: expected int, got 'two'"]),
         (["--loader-prefetch", "0"], ["--loader-prefetch: must be >= 1, got 0"]),
         # elastic ranges: every size must split the batch, MIN <= MAX, MIN >= 1, and restarts allowed
-        (["--num-workers", "2-4", "--global-batch-size", "64", "--max-failures", "1"],
-         ["--num-workers: 3 workers (in 2-4) cannot split --global-batch-size 64 = 64 samples", "these do: 2, 4"]),
-        (["--num-workers", "1-5", "--global-batch-size", "48", "--grad-accum-steps", "2", "--max-failures", "1"],
-         ["--num-workers: 5 workers (in 1-5)", "48 / --grad-accum-steps 2 = 24", "must divide 24", "these do: 1, 2, 3, 4)"]),
-        (["--num-workers", "4-2", "--max-failures", "1"], ["--num-workers: MIN 4 is larger than MAX 2 in 4-2", "1 <= MIN <= MAX"]),
+        (
+            ["--num-workers", "2-4", "--global-batch-size", "64", "--max-failures", "1"],
+            ["--num-workers: 3 workers (in 2-4) cannot split --global-batch-size 64 = 64 samples", "these do: 2, 4"],
+        ),
+        (
+            ["--num-workers", "1-5", "--global-batch-size", "48", "--grad-accum-steps", "2", "--max-failures", "1"],
+            [
+                "--num-workers: 5 workers (in 1-5)",
+                "48 / --grad-accum-steps 2 = 24",
+                "must divide 24",
+                "these do: 1, 2, 3, 4)",
+            ],
+        ),
+        (
+            ["--num-workers", "4-2", "--max-failures", "1"],
+            ["--num-workers: MIN 4 is larger than MAX 2 in 4-2", "1 <= MIN <= MAX"],
+        ),
         (["--num-workers", "0-2", "--max-failures", "1"], ["--num-workers: must be >= 1, got 0-2"]),
-        (["--num-workers", "two"], ["--num-workers: expected a worker count or a range MIN-MAX (e.g. 2 or 2-8), got 'two'"]),
-        (["--num-workers", "1-2"], ["--max-failures: an elastic run (--num-workers 1-2) restarts its worker group", ">= 1, or -1"]),
+        (
+            ["--num-workers", "two"],
+            ["--num-workers: expected a worker count or a range MIN-MAX (e.g. 2 or 2-8), got 'two'"],
+        ),
+        (
+            ["--num-workers", "1-2"],
+            ["--max-failures: an elastic run (--num-workers 1-2) restarts its worker group", ">= 1, or -1"],
+        ),
         (["--num-workers", "1-2", "--max-failures", "0"], ["--max-failures: an elastic run"]),
         (["--checkpoint-every-steps", "0"], ["--checkpoint-every-steps: must be >= 1, got 0"]),
         (["--resize-interval", "0"], ["--resize-interval: must be > 0 seconds, got 0.0"]),
@@ -61,7 +88,9 @@ def test_an_elastic_run_hands_its_resize_timeout_to_ray_trains_controller():
 
     assert START_TIMEOUT_ENV in ENV_VARS_TO_PROPAGATE
     assert controller_env(DDPConfig(num_workers="1-2", max_failures=1)) == {START_TIMEOUT_ENV: "10.0"}
-    assert controller_env(DDPConfig(num_workers="2-4", max_failures=1, resize_timeout=2.5)) == {START_TIMEOUT_ENV: "2.5"}
+    assert controller_env(DDPConfig(num_workers="2-4", max_failures=1, resize_timeout=2.5)) == {
+        START_TIMEOUT_ENV: "2.5"
+    }
     assert controller_env(DDPConfig(num_workers=2)) == controller_env(DDPConfig(num_workers="3-3")) == {}
 
 
@@ -113,7 +142,9 @@ def test_saved_config_leaves_out_hidden_options(tmp_path):
     assert saved == {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", *hooks)}
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(cfg))
-    assert build_config(DDPConfig, {"config": str(path)}) == dataclasses.replace(cfg, inject_fault=None, hold_at_step=None, json=False)
+    assert build_config(DDPConfig, {"config": str(path)}) == dataclasses.replace(
+        cfg, inject_fault=None, hold_at_step=None, json=False
+    )
 
 
 def test_help_lists_defaults():
@@ -130,16 +161,52 @@ def test_cluster_too_small(ray_session, tmp_path, capsys):
     # divides among its workers, so the check under test is the one that refuses.
     runs = tmp_path / "runs"
     cpus, gpus = session_cpus(), session_gpus()
-    res = run_cli(capsys, "ddp", "--num-workers", str(cpus + 1), "--global-batch-size", str((cpus + 1) * 12), "--storage-path", str(runs))
-    assert_usage_error(res, f"--num-workers {cpus + 1} needs {cpus + 1} CPUs but the Ray cluster has {cpus}", f"at most {cpus}")
+    res = run_cli(
+        capsys,
+        "ddp",
+        "--num-workers",
+        str(cpus + 1),
+        "--global-batch-size",
+        str((cpus + 1) * 12),
+        "--storage-path",
+        str(runs),
+    )
+    assert_usage_error(
+        res, f"--num-workers {cpus + 1} needs {cpus + 1} CPUs but the Ray cluster has {cpus}", f"at most {cpus}"
+    )
     # Each loader process reserves a CPU in its worker's bundle, beside the training process's one.
     loaders = cpus // 2
     res = run_cli(capsys, "ddp", "--num-workers", "2", "--loader-workers", str(loaders), "--storage-path", str(runs))
-    assert_usage_error(res, f"--num-workers 2 needs {2 * (loaders + 1)} CPUs but the Ray cluster has {cpus}", f"at most {cpus // (loaders + 1)}")
+    assert_usage_error(
+        res,
+        f"--num-workers 2 needs {2 * (loaders + 1)} CPUs but the Ray cluster has {cpus}",
+        f"at most {cpus // (loaders + 1)}",
+    )
     # one worker more than the cluster has GPUs; the session's CPUs hold them all (helpers.session_cpus)
     more = str(gpus + 1)
-    res = run_cli(capsys, "ddp", "--num-workers", more, "--global-batch-size", str((gpus + 1) * 16), "--use-gpu", "--storage-path", str(runs))
+    res = run_cli(
+        capsys,
+        "ddp",
+        "--num-workers",
+        more,
+        "--global-batch-size",
+        str((gpus + 1) * 16),
+        "--use-gpu",
+        "--storage-path",
+        str(runs),
+    )
     assert_usage_error(res, f"--num-workers {more} needs {more} GPUs but the Ray cluster has {gpus}", "--no-use-gpu")
-    res = run_cli(capsys, "ddp", "--num-workers", more, "--global-batch-size", str((gpus + 1) * 16), "--precision", "fp16", "--storage-path", str(runs))
+    res = run_cli(
+        capsys,
+        "ddp",
+        "--num-workers",
+        more,
+        "--global-batch-size",
+        str((gpus + 1) * 16),
+        "--precision",
+        "fp16",
+        "--storage-path",
+        str(runs),
+    )
     assert_usage_error(res, "--precision: fp16 needs CUDA")  # too few GPUs for each worker: the default picked CPUs
     assert not runs.exists()

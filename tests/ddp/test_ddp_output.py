@@ -31,7 +31,12 @@ def run_main_job(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYTRAIN_MP_CACHE")}
     env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
     done = subprocess.run(
-        ["raytrain-mp", "ddp", "--epochs", "1", *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        ["raytrain-mp", "ddp", "--epochs", "1", *extra],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     return done
@@ -44,7 +49,10 @@ def test_main_job_prints_only_its_own_lines(tmp_path):
     foreign = [line for line in lines if not any(re.fullmatch(pattern, line) for pattern in OWN_LINES)]
     assert foreign == [], foreign
     assert any(line.startswith("epoch 1/1 train_loss ") for line in lines) and "ddp training finished" in lines
-    assert [line.split(" loss")[0] for line in lines if " eta " in line] == ["epoch 1/1 step 10/22", "epoch 1/1 step 20/22"]
+    assert [line.split(" loss")[0] for line in lines if " eta " in line] == [
+        "epoch 1/1 step 10/22",
+        "epoch 1/1 step 20/22",
+    ]
 
 
 @pytest.mark.slow

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import run_cli, run_cli_json
-from run_log_check import checked_run_log
 from raytrain_mp.checkpointing import load_checkpoint
 from raytrain_mp.models import build_model
 from raytrain_mp.storage import join, locate
+
+from helpers import run_cli, run_cli_json
+from run_log_check import checked_run_log
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 
@@ -34,7 +35,9 @@ def test_ddp_trains_crashes_and_resumes_in_a_bucket(bucket, tmp_path, capsys, mo
     build_model("resnet18", 10, in_channels=1, small_stem=True).load_state_dict(model_state, strict=True)
     assert train_state["epoch"] == 1 and isinstance(model_state["fc.weight"], torch.Tensor)
     assert run.child("result.json").is_file()
-    checked_run_log(run.uri, steps=10, epochs=2, steps_per_epoch=5, log_every=0)  # metrics.csv, events, curves in the bucket
+    checked_run_log(
+        run.uri, steps=10, epochs=2, steps_per_epoch=5, log_every=0
+    )  # metrics.csv, events, curves in the bucket
     assert sorted(p.name for p in tmp_path.iterdir()) == ["crashed"]  # nothing named "s3:" here
 
     rerun = run_cli_json(*args)  # finished: the summary comes from the bucket

@@ -20,9 +20,10 @@ import json
 import pytest
 import torch
 
+from raytrain_mp.models import build_model
+
 from helpers import load_model_pt, make_image_folder, max_abs_diff, run_cli_json, write_digits_cut
 from run_log_check import checked_run_log
-from raytrain_mp.models import build_model
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # fp64 and fp32 DDP runs
 
@@ -30,7 +31,20 @@ pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # fp64 
 # step, but at peak lr 0.2 differ by 5e-10 of a layer4 running variance after 11 steps and by 3.6e-8
 # after 22. At peak lr 0.1 and 10 steps (global batch 256) they agree to 5e-14. The runs here take
 # 10 steps of global batch 128 (peak lr 0.05) on a cut of digits, half the compute of full digits.
-FP64_ARGS = ["--precision", "fp64", "--epochs", "2", "--global-batch-size", "128", "--base-lr", "0.1", "--seed", "3", "--log-every", "0"]
+FP64_ARGS = [
+    "--precision",
+    "fp64",
+    "--epochs",
+    "2",
+    "--global-batch-size",
+    "128",
+    "--base-lr",
+    "0.1",
+    "--seed",
+    "3",
+    "--log-every",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +72,34 @@ def fp64_runs(fp64_one, fp64_data, storage, tmp_path_factory):
         "two": ["--num-workers", "2"],
         "two_no_sync": ["--num-workers", "2", "--no-sync-bn"],
         # with a loader process per worker, kept across the restart: the same model as "two"
-        "two_crash": ["--num-workers", "2", "--loader-workers", "1", "--max-failures", "1", "--inject-fault", f"1:1:{marker}"],
+        "two_crash": [
+            "--num-workers",
+            "2",
+            "--loader-workers",
+            "1",
+            "--max-failures",
+            "1",
+            "--inject-fault",
+            f"1:1:{marker}",
+        ],
     }
     return {"one": fp64_one, **fp64_fits(storage, fp64_data, runs), "marker": marker, "data": fp64_data}
 
 
 def fp64_argv(data: str, storage: str, name: str, *extra: str, use_gpu: bool = False) -> list[str]:
     """The ``raytrain-mp`` arguments of an fp64 DDP run on ``data``, named ``name`` under ``storage``."""
-    return ["ddp", "--use-gpu" if use_gpu else "--no-use-gpu", "--data", data, "--storage-path", storage, "--name", name, *FP64_ARGS, *extra]
+    return [
+        "ddp",
+        "--use-gpu" if use_gpu else "--no-use-gpu",
+        "--data",
+        data,
+        "--storage-path",
+        storage,
+        "--name",
+        name,
+        *FP64_ARGS,
+        *extra,
+    ]
 
 
 def fp64_fits(storage: str, data: str, runs: dict[str, list[str]]) -> dict:
@@ -111,7 +145,9 @@ def test_world_size_invariance_fp64(fp64_runs):
 def test_loader_processes_and_augmentation_keep_both_invariances(loader_runs, storage):
     one, two = load_model_pt(loader_runs["one_loaders"]), load_model_pt(loader_runs["two_loaders"])
     assert max_abs_diff(one, two) < 1e-9
-    two_by_two = fit_on_a_larger_ray(storage, loader_runs["data"], "fp64-two-by-two", "--num-workers", "2", "--augment", "--loader-workers", "2")
+    two_by_two = fit_on_a_larger_ray(
+        storage, loader_runs["data"], "fp64-two-by-two", "--num-workers", "2", "--augment", "--loader-workers", "2"
+    )
     assert two_by_two["world_size"] == 2 and max_abs_diff(one, load_model_pt(two_by_two)) < 1e-9
     assert max_abs_diff(one, load_model_pt(loader_runs["one"])) > 1e-3  # augmentation did change the batches
 
@@ -121,8 +157,8 @@ def test_an_encoded_image_folder_trains(tmp_path, storage):
     data = tmp_path / "prepared"
     run_cli_json("data", "prepare", f"imagefolder:{folder}", "--encoded", "--image-size", "32", "--out", str(data))
     result = run_cli_json(
-        "ddp", "--no-use-gpu", "--data", str(data), "--augment", "--num-workers", "2", "--loader-workers", "1", "--epochs", "2",
-        "--global-batch-size", "4", "--storage-path", storage, "--name", "encoded", "--log-every", "0",
+        "ddp", "--no-use-gpu", "--data", str(data), "--augment", "--num-workers", "2", "--loader-workers", "1",
+        "--epochs", "2", "--global-batch-size", "4", "--storage-path", storage, "--name", "encoded", "--log-every", "0",
     )  # fmt: skip
     assert result["epochs"] == 2 and result["val_count"] == 3 and result["world_size"] == 2
     state = load_model_pt(result)
@@ -149,8 +185,16 @@ def step_runs(fp64_runs, storage, tmp_path_factory):
     marker, marker_fail = (tmp_path_factory.mktemp("fault") / "crashed" for _ in range(2))
     every = ["--checkpoint-every-steps", "2", "--log-every", "1"]
     data = fp64_runs["data"]
-    runs = fp64_fits(storage, data, {"step_crash": ["--num-workers", "2", *every, "--max-failures", "1", "--inject-fault", f"1:s8:{marker}"]})
-    failed = run_cli_text(*fp64_argv(data, storage, "fp64-step-crash-w1", "--num-workers", "2", *every, "--inject-fault", f"0:s8:{marker_fail}"))
+    runs = fp64_fits(
+        storage,
+        data,
+        {"step_crash": ["--num-workers", "2", *every, "--max-failures", "1", "--inject-fault", f"1:s8:{marker}"]},
+    )
+    failed = run_cli_text(
+        *fp64_argv(
+            data, storage, "fp64-step-crash-w1", "--num-workers", "2", *every, "--inject-fault", f"0:s8:{marker_fail}"
+        )
+    )
     resumed = run_cli_text(*fp64_argv(data, storage, "fp64-step-crash-w1", "--num-workers", "1", *every, "--json"))
     return {**fp64_runs, **runs, "marker": marker, "marker_fail": marker_fail, "failed": failed, "resumed": resumed}
 
@@ -175,7 +219,9 @@ def test_the_run_log_continues_at_the_checkpoint_without_duplicated_or_missing_s
         epochs = [r for r in rows if r["kind"] == "epoch"]
         for name in ("train_loss", "val_loss", "val_accuracy", "lr"):
             assert [float(r[name]) for r in epochs] == pytest.approx([float(r[name]) for r in two], rel=1e-9)
-    crash_after_epoch = checked_run_log(step_runs["two_crash"]["run"], steps=10, epochs=2, steps_per_epoch=5, log_every=0)
+    crash_after_epoch = checked_run_log(
+        step_runs["two_crash"]["run"], steps=10, epochs=2, steps_per_epoch=5, log_every=0
+    )
     assert crash_after_epoch[-1]["val_accuracy"] == repr(step_runs["two_crash"]["val_accuracy"])
 
 
@@ -184,7 +230,10 @@ def test_a_crash_mid_epoch_resumes_with_another_world_size(step_runs, storage):
 
     code, out = step_runs["failed"]
     assert code == 1 and "Traceback" not in out.split("raytrain-mp: failed:")[-1]
-    failed = "raytrain-mp: failed: ddp worker rank 0 failed: RuntimeError: injected fault: rank 0 after step 8 (0 restarts used of --max-failures 0)"
+    failed = (
+        "raytrain-mp: failed: ddp worker rank 0 failed: RuntimeError: injected fault: rank 0 after step 8 "
+        "(0 restarts used of --max-failures 0)"
+    )
     assert failed in out.splitlines(), out[-3000:]
     code, out = step_runs["resumed"]
     assert code == 0, out[-3000:]
@@ -195,7 +244,10 @@ def test_a_crash_mid_epoch_resumes_with_another_world_size(step_runs, storage):
     assert max_abs_diff(load_model_pt(step_runs["two"]), load_model_pt(result)) < 1e-9
     assert result["train_loss"] == pytest.approx(step_runs["two"]["train_loss"], rel=1e-9)
     names = sorted(p.name for p in Path(result["run"]).glob("checkpoint_*") if p.is_dir())
-    assert names == ["checkpoint_000002", "checkpoint_000002_step_000003"]  # --num-to-keep 2, step checkpoints named by epoch and step
+    assert names == [
+        "checkpoint_000002",
+        "checkpoint_000002_step_000003",
+    ]  # --num-to-keep 2, step checkpoints named by epoch and step
 
 
 def test_model_pt_loads_strict_into_plain_model(fp64_runs):
@@ -283,7 +335,10 @@ def test_checkpoints_are_named_by_epoch_and_the_lr_is_the_last_steps(fp64_runs):
 
     result = fp64_runs["two"]
     assert Path(result["checkpoint"]).name == "checkpoint_000002"  # as the pipeline names them
-    assert sorted(p.name for p in Path(result["run"]).glob("checkpoint_*") if p.is_dir()) == ["checkpoint_000001", "checkpoint_000002"]
+    assert sorted(p.name for p in Path(result["run"]).glob("checkpoint_*") if p.is_dir()) == [
+        "checkpoint_000001",
+        "checkpoint_000002",
+    ]
     # 640 training samples, global batch 128: 5 steps an epoch; the reported lr is the 10th step's, not 0.
     schedule = make_schedule(0.1, 128, 256, "linear", 1.0, 2, 5, "cosine", 30, 0.1)
     assert result["lr"] == pytest.approx(schedule(9), rel=1e-12) and result["lr"] > 0
@@ -295,7 +350,10 @@ def test_rerun_of_a_finished_run_prints_its_summary_without_ray(fp64_runs, stora
     import subprocess
 
     done = subprocess.run(
-        ["raytrain-mp", *fp64_argv(fp64_runs["data"], storage, "fp64-two", "--num-workers", "2", "--json")], capture_output=True, text=True, timeout=300
+        ["raytrain-mp", *fp64_argv(fp64_runs["data"], storage, "fp64-two", "--num-workers", "2", "--json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()

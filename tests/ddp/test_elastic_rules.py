@@ -9,13 +9,15 @@ import itertools
 import pytest
 from torch.utils.data import DistributedSampler
 
-from raytrain_mp.data.loader import EpochKeys
 from raytrain_mp.checkpointing import resume_position
+from raytrain_mp.data.loader import EpochKeys
 from raytrain_mp.ddp.elastic import check_world_sizes, items_to_skip, parse_worker_range
 from raytrain_mp.errors import UsageError
 
 
-@pytest.mark.parametrize(("text", "expected"), [("2", (2, 2)), (3, (3, 3)), ("1-2", (1, 2)), (" 2-8 ", (2, 8)), ("4-4", (4, 4))])
+@pytest.mark.parametrize(
+    ("text", "expected"), [("2", (2, 2)), (3, (3, 3)), ("1-2", (1, 2)), (" 2-8 ", (2, 8)), ("4-4", (4, 4))]
+)
 def test_parse_worker_range(text, expected):
     assert parse_worker_range(text) == expected
 
@@ -37,7 +39,9 @@ def test_check_world_sizes_agrees_with_arithmetic():
             except UsageError as exc:
                 accepted = False
                 first_bad = next(w for w in range(low, high + 1) if batch % (w * accum))
-                assert str(exc).startswith("--global-batch-size" if low == high or batch % accum else f"--num-workers: {first_bad} workers")
+                assert str(exc).startswith(
+                    "--global-batch-size" if low == high or batch % accum else f"--num-workers: {first_bad} workers"
+                )
             assert accepted == whole, (batch, accum, low, high)
 
 

@@ -93,9 +93,7 @@ def _two_steps(bn: nn.Module, data: dict[str, Tensor], rows: slice) -> dict[str,
 
 def _small_net(norm: type[nn.Module]) -> nn.Module:
     torch.manual_seed(3)
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 3), norm(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 5)
-    ).double()
+    return nn.Sequential(nn.Conv2d(3, 4, 3), norm(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 5)).double()
 
 
 def _ddp_data() -> tuple[Tensor, Tensor]:
@@ -155,18 +153,14 @@ def gloo_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_one_batchnorm_over_the_global_batch(
-    gloo_results: list[dict[str, Any]], name: str
-) -> None:
+def test_matches_one_batchnorm_over_the_global_batch(gloo_results: list[dict[str, Any]], name: str) -> None:
     bn_class, shape, dtype, momentum, sizes = CASES[name]
     data = _case_data(name)
     ref = _two_steps(bn_class(shape[0], momentum=momentum, dtype=dtype), data, slice(None))
     tol = TOLERANCE[dtype]
 
     def close(actual: Tensor, expected: Tensor, what: str) -> None:
-        torch.testing.assert_close(
-            actual, expected, atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}"
-        )
+        torch.testing.assert_close(actual, expected, atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
 
     for rank, result in enumerate(gloo_results):
         got = result[name]
@@ -252,9 +246,7 @@ def test_without_process_group_is_plain_batchnorm(momentum: float | None) -> Non
     ours = _two_steps(ours_bn, data, slice(None))
     ref = _two_steps(ref_bn, data, slice(None))
     for key in ref:
-        torch.testing.assert_close(
-            ours[key], ref[key], atol=1e-6, rtol=0, msg=lambda m: f"{key}: {m}"
-        )
+        torch.testing.assert_close(ours[key], ref[key], atol=1e-6, rtol=0, msg=lambda m: f"{key}: {m}")
 
     ours_bn.eval()
     ref_bn.eval()

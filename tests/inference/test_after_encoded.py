@@ -19,7 +19,18 @@ def encoded_run(ray_session, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("after-encoded")
     folder = make_image_folder(root / "images")
     data = str(root / "data")
-    assert run_cli_json("data", "prepare", f"imagefolder:{folder}", "--encoded", "--image-size", "32", "--val-fraction", "0.4", "--out", data)["encoded"]
+    assert run_cli_json(
+        "data",
+        "prepare",
+        f"imagefolder:{folder}",
+        "--encoded",
+        "--image-size",
+        "32",
+        "--val-fraction",
+        "0.4",
+        "--out",
+        data,
+    )["encoded"]
     result = run_cli_json("ddp", "--data", data, "--epochs", "1", "--num-workers", "1", "--global-batch-size", "3",
                           "--no-use-gpu", "--storage-path", str(root / "runs"), "--name", "enc")  # fmt: skip
     return {**result, "data": data}
@@ -38,7 +49,9 @@ def test_predict_gives_evals_classes_for_encoded_validation_files(encoded_run, t
         kind = Image.open(io.BytesIO(data)).format
         (folder / f"{i:03d}.{'jpg' if kind == 'JPEG' else 'png'}").write_bytes(data)
     out = tmp_path / "eval"
-    evaluated = run_cli_json("eval", "--checkpoint", encoded_run["run"], "--num-workers", "2", "--no-use-gpu", "--out", str(out))
+    evaluated = run_cli_json(
+        "eval", "--checkpoint", encoded_run["run"], "--num-workers", "2", "--no-use-gpu", "--out", str(out)
+    )
     assert (evaluated["count"], evaluated["accuracy"]) == (encoded_run["val_count"], encoded_run["val_accuracy"])
     assert abs(evaluated["loss"] - encoded_run["val_loss"]) <= 1e-6
     expected = [r["predicted_name"] for r in csv.DictReader((out / "predictions.csv").open())]

@@ -12,11 +12,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def pipeline_run(ray_session, tmp_path_factory) -> dict:
-    return tiny_run(tmp_path_factory.mktemp("after-pipeline"), "pipeline", "--stages", "2", "--name", "pipe", train=128, val=60)
+    return tiny_run(
+        tmp_path_factory.mktemp("after-pipeline"), "pipeline", "--stages", "2", "--name", "pipe", train=128, val=60
+    )
 
 
 def test_eval_of_a_pipeline_checkpoint_meets_the_runs_validation(pipeline_run, tmp_path):
-    result = run_cli_json("eval", "--checkpoint", pipeline_run["run"], "--num-workers", "2", "--no-use-gpu", "--out", str(tmp_path / "e"))
+    result = run_cli_json(
+        "eval", "--checkpoint", pipeline_run["run"], "--num-workers", "2", "--no-use-gpu", "--out", str(tmp_path / "e")
+    )
     assert result["checkpoint"] == pipeline_run["checkpoint"]
     assert result["count"] == pipeline_run["val_count"] == 60
     assert result["accuracy"] == pipeline_run["val_accuracy"]
@@ -24,5 +28,7 @@ def test_eval_of_a_pipeline_checkpoint_meets_the_runs_validation(pipeline_run, t
 
 
 def test_export_of_a_pipeline_checkpoint(pipeline_run, tmp_path):
-    result = run_cli_json("export", "--checkpoint", pipeline_run["run"], "--format", "pt2", "--out", str(tmp_path / "m.pt2"))
+    result = run_cli_json(
+        "export", "--checkpoint", pipeline_run["run"], "--format", "pt2", "--out", str(tmp_path / "m.pt2")
+    )
     assert result["max_abs_difference"] <= 1e-5 and (tmp_path / "m.pt2").is_file()

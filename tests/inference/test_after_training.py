@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_usage_error, run_cli, run_cli_json, tiny_run
 from raytrain_mp.checkpointing import RAY_SNAPSHOT
 from raytrain_mp.inference.checkpoint import load_run, resolve_checkpoint
+
+from helpers import assert_usage_error, run_cli, run_cli_json, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +110,11 @@ def test_export_loads_back_and_agrees_with_the_model_at_batch_1_and_7(run, tmp_p
 
 def test_export_refuses_an_unknown_format_and_a_missing_extra(run, tmp_path, capsys, monkeypatch):
     out = tmp_path / "model.x"
-    assert_usage_error(run_cli(capsys, "export", "--checkpoint", run["run"], "--format", "tflite", "--out", str(out)), "--format", "tflite")
+    assert_usage_error(
+        run_cli(capsys, "export", "--checkpoint", run["run"], "--format", "tflite", "--out", str(out)),
+        "--format",
+        "tflite",
+    )
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as where the extra is not installed: import fails
     result = run_cli(capsys, "export", "--checkpoint", run["run"], "--format", "onnx", "--out", str(out))
     assert_usage_error(result, "onnxruntime", "pip install -e '.[export]'")
@@ -125,7 +130,12 @@ def evaluated(run, tmp_path_factory):
     def evaluate(workers: int) -> tuple[dict, object]:
         if workers not in done:
             out = tmp_path_factory.mktemp(f"eval{workers}")
-            done[workers] = run_cli_json("eval", "--checkpoint", run["run"], "--num-workers", str(workers), "--no-use-gpu", "--out", str(out)), out
+            done[workers] = (
+                run_cli_json(
+                    "eval", "--checkpoint", run["run"], "--num-workers", str(workers), "--no-use-gpu", "--out", str(out)
+                ),
+                out,
+            )
         return done[workers]
 
     return evaluate
@@ -161,26 +171,40 @@ def test_predict_gives_evals_classes_for_the_validation_images(run, evaluated, t
         Image.fromarray(val.raw_image(i)[:, :, 0], "L").save(folder / f"{i:03d}.png")
     _, out = evaluated(1)
     expected = [r["predicted_name"] for r in csv.DictReader((out / "predictions.csv").open())][:12]
-    result = run_cli_json("predict", "--checkpoint", run["run"], str(folder), "--top-k", "3", "--csv", str(tmp_path / "p.csv"))
+    result = run_cli_json(
+        "predict", "--checkpoint", run["run"], str(folder), "--top-k", "3", "--csv", str(tmp_path / "p.csv")
+    )
     assert [p["classes"][0] for p in result["predictions"]] == expected
-    assert all(len(p["classes"]) == 3 and p["probabilities"] == sorted(p["probabilities"], reverse=True) for p in result["predictions"])
+    assert all(
+        len(p["classes"]) == 3 and p["probabilities"] == sorted(p["probabilities"], reverse=True)
+        for p in result["predictions"]
+    )
     assert len(list(csv.DictReader((tmp_path / "p.csv").open()))) == 12
 
 
 def test_bad_inputs_are_one_line_and_write_nothing(run, tmp_path, capsys):
     other = tmp_path / "synthetic"
-    assert run_cli(capsys, "data", "prepare", "synthetic", "--out", str(other), "--num-samples", "40", "--num-classes", "3").code == 0
+    assert (
+        run_cli(
+            capsys, "data", "prepare", "synthetic", "--out", str(other), "--num-samples", "40", "--num-classes", "3"
+        ).code
+        == 0
+    )
     out = tmp_path / "eval"
     result = run_cli(capsys, "eval", "--checkpoint", run["run"], "--data", str(other), "--out", str(out))
     assert_usage_error(result, "--data:", "3 classes", "takes 1x8x8 images of 10 classes")
-    assert_usage_error(run_cli(capsys, "eval", "--checkpoint", run["run"], "--split", "test", "--out", str(out)), "--split", "test")
+    assert_usage_error(
+        run_cli(capsys, "eval", "--checkpoint", run["run"], "--split", "test", "--out", str(out)), "--split", "test"
+    )
     assert not out.exists()
     not_image = tmp_path / "notes.png"
     not_image.write_text("not an image")
     result = run_cli(capsys, "predict", "--checkpoint", run["run"], str(not_image), "--csv", str(tmp_path / "p.csv"))
     assert_usage_error(result, "FILE_OR_FOLDER:", str(not_image), "not an image")
     assert not (tmp_path / "p.csv").exists()
-    assert_usage_error(run_cli(capsys, "predict", "--checkpoint", run["run"], str(tmp_path / "nowhere")), "no such file or folder")
+    assert_usage_error(
+        run_cli(capsys, "predict", "--checkpoint", run["run"], str(tmp_path / "nowhere")), "no such file or folder"
+    )
 
 
 def test_a_run_in_an_object_store_resolves_to_a_checkpoint_ray_registered(run, bucket, tmp_path):
@@ -195,7 +219,9 @@ def test_a_run_in_an_object_store_resolves_to_a_checkpoint_ray_registered(run, b
     target = locate(uri, "--checkpoint")
     pafs.copy_files(run["run"], target.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=target.fs)
     cut_off = target.child("checkpoint_000002")
-    pafs.copy_files(run["checkpoint"], cut_off.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=target.fs)
+    pafs.copy_files(
+        run["checkpoint"], cut_off.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=target.fs
+    )
     assert resolve_checkpoint(uri).uri == join(uri, "checkpoint_000001")
     out = tmp_path / "m.pt2"
     result = run_cli_json("export", "--checkpoint", uri, "--format", "pt2", "--out", str(out))

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_usage_error, run_cli
 from raytrain_mp.config import build_config
 from raytrain_mp.inference.config import ExportConfig, PredictConfig
+
+from helpers import assert_usage_error, run_cli
 
 
 @pytest.mark.parametrize("argv, fragments", [

@@ -27,9 +27,12 @@ KILLED = (
     "The actor died unexpectedly before finishing this task.\n\tclass_name: StageWorker\n"
     "The actor is dead because it was killed by `ray.kill`."
 )
-NODE_DIED = "The actor died unexpectedly before finishing this task.\nThe actor died because its node has died. Node Id: ab12"
+NODE_DIED = (
+    "The actor died unexpectedly before finishing this task.\nThe actor died because its node has died. Node Id: ab12"
+)
 GLOO_TIMEOUT = (
-    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation to complete"
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+    "Timed out waiting 3000ms for recv operation to complete"
 )
 
 

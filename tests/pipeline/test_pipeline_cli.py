@@ -7,15 +7,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (
-    RAY_FORWARDED, assert_usage_error, load_model_pt, max_abs_diff, run_cli, run_cli_json, run_cli_text, session_cpus,
-    session_gpus,
-)
-from killer import Killer, exists
 from raytrain_mp.faults import ABRUPT
 from raytrain_mp.models import build_model
 from raytrain_mp.run_log import read_rows
 from raytrain_mp.storage import locate
+
+from helpers import (
+    RAY_FORWARDED,
+    assert_usage_error,
+    load_model_pt,
+    max_abs_diff,
+    run_cli,
+    run_cli_json,
+    run_cli_text,
+    session_cpus,
+    session_gpus,
+)
+from killer import Killer, exists
 from run_log_check import checked_run_log
 
 
@@ -36,15 +44,28 @@ def tiny_data(tmp_path_factory) -> str:
         (["--stages", "19"], ["--stages: 19 stages for 18 blocks"]),
         (["--split-points", "layer9"], ["--split-points: 'layer9' names no block", "layer3.0.conv2"]),
         (["--stages", "3", "--split-points", "layer3,layer2"], ["--split-points", "order"]),
-        (["--split-points", "layer2,layer3"], ["--split-points: 2 split point(s) make 3 stages, not 2 (--stages 2 x --virtual-stages 1)"]),
-        (["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--split-points", "layer2"],
-         ["--split-points: 1 split point(s) make 2 stages, not 4 (--stages 2 x --virtual-stages 2)"]),
+        (
+            ["--split-points", "layer2,layer3"],
+            ["--split-points: 2 split point(s) make 3 stages, not 2 (--stages 2 x --virtual-stages 1)"],
+        ),
+        (
+            ["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--split-points", "layer2"],
+            ["--split-points: 1 split point(s) make 2 stages, not 4 (--stages 2 x --virtual-stages 2)"],
+        ),
         (["--microbatches", "0"], ["--microbatches: must be between 1 and --global-batch-size 32, got 0"]),
         (["--microbatches", "33"], ["--microbatches: must be between 1 and --global-batch-size 32, got 33"]),
-        (["--stages", "4", "--schedule", "1f1b", "--microbatches", "2"],
-         ["--microbatches: 1F1B over 4 stages needs at least 4 micro-batches, got 2"]),
-        (["--microbatches", "3"], ["--microbatches: must divide --global-batch-size 32 into equal micro-batches", "got 3"]),
-        (["--schedule", "interleaved-zb"], ["--virtual-stages: interleaved-zb needs at least 2 stages per rank, got 1"]),
+        (
+            ["--stages", "4", "--schedule", "1f1b", "--microbatches", "2"],
+            ["--microbatches: 1F1B over 4 stages needs at least 4 micro-batches, got 2"],
+        ),
+        (
+            ["--microbatches", "3"],
+            ["--microbatches: must divide --global-batch-size 32 into equal micro-batches", "got 3"],
+        ),
+        (
+            ["--schedule", "interleaved-zb"],
+            ["--virtual-stages: interleaved-zb needs at least 2 stages per rank, got 1"],
+        ),
         (["--virtual-stages", "2"], ["--virtual-stages: the gpipe schedule runs one stage per rank, got 2"]),
         (["--schedule", "interleaved-1f1b", "--virtual-stages", "10"], ["--stages: 20 stages for 18 blocks"]),
         (["--precision", "fp16"], ["--precision", "invalid choice: 'fp16'"]),
@@ -53,16 +74,36 @@ def tiny_data(tmp_path_factory) -> str:
         (["--replicas", "0"], ["--replicas: must be >= 1, got 0"]),
         (["--steps-per-call", "0"], ["--steps-per-call: must be >= 1, got 0"]),
         (["--balance-trials", "-1"], ["--balance-trials: must be >= 0, got -1"]),
-        (["--balance-trials", "2", "--balance", "params"],
-         ["--balance-trials: tries the cuts of --balance time on running stages; this run cuts by --balance params"]),
-        (["--balance-trials", "2", "--split-points", "layer3"],
-         ["--balance-trials: tries the cuts of --balance time on running stages; this run cuts by --split-points"]),
-        (["--replicas", "3"], ["--replicas: 3 replicas x --microbatches 4 must divide --global-batch-size 32 into equal micro-batches, got 3"]),
+        (
+            ["--balance-trials", "2", "--balance", "params"],
+            ["--balance-trials: tries the cuts of --balance time on running stages; this run cuts by --balance params"],
+        ),
+        (
+            ["--balance-trials", "2", "--split-points", "layer3"],
+            ["--balance-trials: tries the cuts of --balance time on running stages; this run cuts by --split-points"],
+        ),
+        (
+            ["--replicas", "3"],
+            [
+                "--replicas: 3 replicas x --microbatches 4 must divide --global-batch-size 32 into equal "
+                "micro-batches, got 3"
+            ],
+        ),
     ],
 )
 def test_bad_inputs_before_any_actor(tiny_data, tmp_path, capsys, argv, fragments):
     runs = tmp_path / "runs"
-    base = ["pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32", "--storage-path", str(runs)]
+    base = [
+        "pipeline",
+        "--data",
+        tiny_data,
+        "--model",
+        "resnet18",
+        "--global-batch-size",
+        "32",
+        "--storage-path",
+        str(runs),
+    ]
     res = run_cli(capsys, *base, *argv)
     assert_usage_error(res, *fragments)
     assert not runs.exists()
@@ -80,17 +121,23 @@ def test_more_replicas_than_the_cluster_holds(ray_session, tiny_data, tmp_path, 
     runs = tmp_path / "runs"
     cpus = session_cpus()
     replicas = cpus // 2 + 1  # of 2 stages: one replica more than the session's CPUs hold
-    res = run_cli(capsys, "pipeline", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", str(replicas * 2 * 4),
-                  "--replicas", str(replicas), "--microbatches", "2", "--storage-path", str(runs))  # fmt: skip
-    assert_usage_error(res, f"--cpus-per-stage: {replicas} replicas x 2 stages need {2 * replicas} CPU (1 each); the Ray cluster has {cpus}")
+    res = run_cli(capsys, "pipeline", "--data", tiny_data, "--model", "resnet18",
+                  "--global-batch-size", str(replicas * 2 * 4), "--replicas", str(replicas), "--microbatches", "2",
+                  "--storage-path", str(runs))  # fmt: skip
+    assert_usage_error(
+        res,
+        f"--cpus-per-stage: {replicas} replicas x 2 stages need {2 * replicas} CPU (1 each); the Ray cluster has "
+        f"{cpus}",
+    )
     assert not runs.exists()
 
 
 def fp64_args(tiny_data: str, storage: str) -> list[str]:
     """The fp64 runs' arguments: 2 epochs of 5 steps, 2 stages, 1F1B over 4 micro-batches."""
-    return ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
-            "--microbatches", "4", "--schedule", "1f1b", "--epochs", "2", "--precision", "fp64",
-            "--balance", "params", "--storage-path", storage, "--log-every", "1", "--augment", "--loader-workers", "1"]  # fmt: skip
+    return ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2",
+            "--global-batch-size", "32", "--microbatches", "4", "--schedule", "1f1b", "--epochs", "2",
+            "--precision", "fp64", "--balance", "params", "--storage-path", storage, "--log-every", "1", "--augment",
+            "--loader-workers", "1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +160,14 @@ def test_killed_stage_resumes_mid_epoch_from_checkpoint(fp64_runs):
     plain, killed, marker = fp64_runs
     assert marker.read_text() == "killed stage 1 after step 8\n"
     assert killed["epochs"] == plain["epochs"] == 2
-    assert killed["train_loss"] == pytest.approx(plain["train_loss"], rel=1e-9)  # epoch 2's loss carried over the restart
+    assert killed["train_loss"] == pytest.approx(
+        plain["train_loss"], rel=1e-9
+    )  # epoch 2's loss carried over the restart
     # Global steps 2, 4 (epoch 1), 6, 8 (epoch 2) and the epochs' ends; the 2 newest are kept.
-    assert sorted(p.name for p in Path(killed["run"]).glob("checkpoint_*")) == ["checkpoint_000002", "checkpoint_000002_step_000003"]
+    assert sorted(p.name for p in Path(killed["run"]).glob("checkpoint_*")) == [
+        "checkpoint_000002",
+        "checkpoint_000002_step_000003",
+    ]
     a = torch.load(plain["model"], weights_only=True)
     b = torch.load(killed["model"], weights_only=True)
     assert a.keys() == b.keys()
@@ -127,7 +179,9 @@ def test_the_killed_run_logs_every_step_once_with_the_plain_runs_numbers(fp64_ru
     """Its log continues from the checkpoint after step 6: steps 7 and 8, logged before the kill,
     are neither missing nor twice in metrics.csv and the TensorBoard events (``checked_run_log``)."""
     plain, killed, _ = fp64_runs
-    plain_rows, killed_rows = (checked_run_log(run["run"], steps=10, epochs=2, steps_per_epoch=5) for run in (plain, killed))
+    plain_rows, killed_rows = (
+        checked_run_log(run["run"], steps=10, epochs=2, steps_per_epoch=5) for run in (plain, killed)
+    )
     for a, b in zip(plain_rows, killed_rows, strict=True):
         assert (a["kind"], a["global_step"], a["lr"]) == (b["kind"], b["global_step"], b["lr"])
         assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), rel=1e-9)
@@ -178,23 +232,31 @@ def test_resume_keeps_the_saved_split_and_refuses_another(fp64_runs, tiny_data, 
     storage = tmp_path / "runs"
     shutil.copytree(Path(plain["run"]), storage / "copy")
     base = ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--global-batch-size", "32",
-            "--microbatches", "4", "--precision", "fp64", "--storage-path", str(storage), "--name", "copy", "--epochs", "3", "--log-every", "0"]  # fmt: skip
+            "--microbatches", "4", "--precision", "fp64", "--storage-path", str(storage), "--name", "copy",
+            "--epochs", "3", "--log-every", "0"]  # fmt: skip
     checkpoint = storage / "copy" / "checkpoint_000002"
     where = f"{checkpoint} was trained with 2 stages cut before {','.join(saved)}"
     res = run_cli(capsys, *base, "--split-points", other)
     assert_usage_error(res, f"--split-points: {where}, not {other}; accepted: --split-points {','.join(saved)}")
-    for other_layout in (["--stages", "3"], ["--stages", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"]):
+    for other_layout in (
+        ["--stages", "3"],
+        ["--stages", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
+    ):
         res = run_cli(capsys, *base, *other_layout)
         asked = f"--stages {other_layout[1]} x --virtual-stages {other_layout[-1] if len(other_layout) > 2 else 1}"
         assert_usage_error(
-            res, f"--stages: {where} on 2 stage actors x 1 virtual stages, not {asked}; accepted: --stages 2 --virtual-stages 1"
+            res,
+            f"--stages: {where} on 2 stage actors x 1 virtual stages, not {asked}; accepted: --stages 2 "
+            "--virtual-stages 1",
         )
     assert sorted(p.name for p in (storage / "copy").glob("checkpoint_*")) == ["checkpoint_000001", "checkpoint_000002"]
     # --balance time would profile and cut anew, and --balance-trials try cuts; the resumed run keeps
     # the checkpoint's cut instead.
     resumed = run_cli_json(*base, "--balance", "time", "--balance-trials", "1")
     assert resumed["epochs"] == 3
-    rows = read_rows(locate(resumed["run"], "run"))  # the copied run's log, continued by epoch 3 (no step rows: --log-every 0)
+    rows = read_rows(
+        locate(resumed["run"], "run")
+    )  # the copied run's log, continued by epoch 3 (no step rows: --log-every 0)
     assert [(r["kind"], r["global_step"]) for r in rows][-3:] == [("step", "10"), ("epoch", "10"), ("epoch", "15")]
     assert [stage["blocks"] for stage in resumed["stages"]] == [stage["blocks"] for stage in plain["stages"]]
 
@@ -209,16 +271,17 @@ def test_replicas_survive_a_killed_actor_and_a_change_of_replicas(fp64_runs, tin
     themselves here (no loader process), and the plain run's loader processes read the same."""
     plain, _, _ = fp64_runs
     marker = tmp_path / "fault-marker"
-    args = ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2", "--global-batch-size", "32",
-            "--schedule", "1f1b", "--precision", "fp64", "--balance", "params", "--storage-path", str(tmp_path / "runs"),
-            "--log-every", "0", "--augment"]  # fmt: skip
+    args = ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2",
+            "--global-batch-size", "32", "--schedule", "1f1b", "--precision", "fp64", "--balance", "params",
+            "--storage-path", str(tmp_path / "runs"), "--log-every", "0", "--augment"]  # fmt: skip
     killed = run_cli_json(*args, "--name", "killed", "--epochs", "2", "--replicas", "2", "--microbatches", "2",
                           "--max-failures", "1", "--inject-fault", f"2:1:{marker}")  # fmt: skip
     assert marker.read_text() == "killed stage 0 of replica 1 after epoch 1\n"
     assert killed["num_replicas"] == 2 and len(killed["actors"]) == 4
     assert [(actor["replica"], actor["stage"]) for actor in killed["actors"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     code, output = run_cli_text(*args, "--name", "change", "--epochs", "2", "--replicas", "1", "--microbatches", "4",
-                                "--checkpoint-every-steps", "2", "--inject-fault", f"0:s3:{tmp_path / 'failed'}")  # fmt: skip
+                                "--checkpoint-every-steps", "2",
+                                "--inject-fault", f"0:s3:{tmp_path / 'failed'}")  # fmt: skip
     assert code == 1 and "pipeline stage 0 (of stages 0-1) failed" in output, output[-2000:]
     changed = run_cli_json(*args, "--name", "change", "--epochs", "2", "--replicas", "2", "--microbatches", "2")
     assert changed["epochs"] == 2 and changed["num_replicas"] == 2
@@ -252,9 +315,14 @@ def test_a_stage_killed_while_the_stages_are_rebuilt_counts_as_one_more_failure(
     assert len(restarts) == 2, res.out[-3000:]
     # Killed after step 4, before its checkpoint: the checkpoint's gathering fails, and the run resumes after step 2.
     assert "failed while gathering the " in restarts[0]
-    assert restarts[0].endswith("state: its actor died: killed by ray.kill; restarting the stages from the last checkpoint (1/2)")
+    assert restarts[0].endswith(
+        "state: its actor died: killed by ray.kill; restarting the stages from the last checkpoint (1/2)"
+    )
     assert "at epoch 1 step 3" in res.out
-    assert f"failed while starting: its actor died: {ABRUPT}; restarting the stages from the last checkpoint (2/2)" in restarts[1]
+    assert (
+        f"failed while starting: its actor died: {ABRUPT}; restarting the stages from the last checkpoint (2/2)"
+        in restarts[1]
+    )
     assert "Unhandled error" not in res.err and "Traceback" not in res.err
     assert_equals_plain(fp64_runs, res.last_json)
 
@@ -266,7 +334,15 @@ def test_a_stage_killed_during_the_first_start_is_retried_or_ends_the_run_in_one
 ):
     with Killer("ray::StageWorker") as killer:
         killer.start(lambda: killer.kill_first_new(why="during the first start"))
-        res = run_cli(capfd, *fp64_args(tiny_data, str(tmp_path)), "--name", "first", "--max-failures", str(max_failures), "--json")
+        res = run_cli(
+            capfd,
+            *fp64_args(tiny_data, str(tmp_path)),
+            "--name",
+            "first",
+            "--max-failures",
+            str(max_failures),
+            "--json",
+        )
     assert len(killer.kills) == 1, killer.kills
     assert "Unhandled error" not in res.err and "Traceback" not in res.err
     failed = f"(of stages 0-1) failed while starting: its actor died: {ABRUPT}"

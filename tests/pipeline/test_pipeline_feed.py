@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from test_pipeline_trainer import _accumulate, _assert_state_close
 from torch import nn
 
 from raytrain_mp.checkpointing import checkpoint_name, checkpoint_order
@@ -23,7 +24,6 @@ from raytrain_mp.pipeline import PipelineTrainer
 from raytrain_mp.pipeline.feed import ShareSampler, StageData, epoch_batches, val_batch_sizes, val_chunks
 from raytrain_mp.pipeline.replicas import replica_shares
 from raytrain_mp.pipeline.run import step_segments
-from test_pipeline_trainer import _accumulate, _assert_state_close
 
 BATCH, SEED = 16, 7
 LRS = [0.05, 0.03, 0.02]
@@ -46,7 +46,9 @@ def test_replica_shares_of_the_epoch_order_are_the_driver_fed_shares(replicas: i
         for step, indices in enumerate(batches):
             driver = replica_shares(indices, indices, replicas)
             share = batch // replicas
-            assert [shares[r][step * share : (step + 1) * share] for r in range(replicas)] == [x.tolist() for x, _ in driver]
+            assert [shares[r][step * share : (step + 1) * share] for r in range(replicas)] == [
+                x.tolist() for x, _ in driver
+            ]
     assert not torch.equal(epoch_batches(length, batch, SEED, 0)[0], epoch_batches(length, batch, SEED, 1)[0])
 
 
@@ -59,7 +61,14 @@ def test_step_segments_end_where_the_global_step_is_a_multiple() -> None:
 
 
 def test_checkpoint_order_is_the_order_of_writing() -> None:
-    written = [checkpoint_name(1, 2), checkpoint_name(1, 4), checkpoint_name(1), checkpoint_name(2, 1), checkpoint_name(2), checkpoint_name(10)]
+    written = [
+        checkpoint_name(1, 2),
+        checkpoint_name(1, 4),
+        checkpoint_name(1),
+        checkpoint_name(2, 1),
+        checkpoint_name(2),
+        checkpoint_name(10),
+    ]
     assert written[:3] == ["checkpoint_000001_step_000002", "checkpoint_000001_step_000004", "checkpoint_000001"]
     assert sorted(reversed(written), key=checkpoint_order) == written
     assert sorted(written) != written  # by name alone, the end of epoch 1 would sort first
@@ -76,7 +85,8 @@ def test_val_batches_cover_the_split_once() -> None:
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> str:
-    """200 8x8 grey images of 4 classes (160 train: 10 steps of 16; 40 val), stored raw: augmentation crops and flips."""
+    """200 8x8 grey images of 4 classes (160 train: 10 steps of 16; 40 val), stored raw: augmentation
+    crops and flips."""
     from raytrain_mp.data.prepare import write_dataset
     from raytrain_mp.data.sources import make_synthetic_source
 
@@ -107,7 +117,9 @@ def _reference(root: str, steps: int, parts: int) -> tuple[list[float], nn.Modul
         images, y, params = train.batch((0, int(i)) for i in indices)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        losses.append(_accumulate(model, optimizer, train.transform(images, params, torch.device("cpu"), torch.float64), y, parts))
+        losses.append(
+            _accumulate(model, optimizer, train.transform(images, params, torch.device("cpu"), torch.float64), y, parts)
+        )
     return losses, model
 
 
@@ -117,7 +129,10 @@ def _evaluate(model: nn.Module, root: str) -> dict:
     with torch.no_grad():
         logits = model.eval()(val.transform(images, params, torch.device("cpu"), torch.float64))
     model.train()
-    return {"val_loss": F.cross_entropy(logits, y, reduction="sum").item() / len(y), "val_accuracy": (logits.argmax(1) == y).double().mean().item()}
+    return {
+        "val_loss": F.cross_entropy(logits, y, reduction="sum").item() / len(y),
+        "val_accuracy": (logits.argmax(1) == y).double().mean().item(),
+    }
 
 
 class _Spy:
@@ -149,11 +164,23 @@ def trainer_for(images: str, ray_session: object) -> Iterator:
             for trainer, _, _ in made.values():  # the session's CPUs (4 on a CPU machine) hold one at a time
                 trainer.shutdown()
             made.clear()
-            data = StageData(images, BATCH, seed=SEED, augment=True, loader_workers=int(replicas == 1), val_batch_size=16)
+            data = StageData(
+                images, BATCH, seed=SEED, augment=True, loader_workers=int(replicas == 1), val_batch_size=16
+            )
             trainer = PipelineTrainer(
-                _model(), 2, schedule=schedule, num_microbatches=4 // replicas, virtual_stages=virtual, num_replicas=replicas,
-                lr=LRS[0], momentum=0.9, weight_decay=0.0, use_gpu=False, memory_format="contiguous", data=data,
-            )  # fmt: skip
+                _model(),
+                2,
+                schedule=schedule,
+                num_microbatches=4 // replicas,
+                virtual_stages=virtual,
+                num_replicas=replicas,
+                lr=LRS[0],
+                momentum=0.9,
+                weight_decay=0.0,
+                use_gpu=False,
+                memory_format="contiguous",
+                data=data,
+            )
             made[virtual, replicas] = trainer, trainer.state_dict(), trainer.optimizer_state_dicts()
         trainer, state, optimizer_states = made[virtual, replicas]
         trainer.load_state_dict(state)
@@ -170,7 +197,9 @@ def trainer_for(images: str, ray_session: object) -> Iterator:
     "schedule, virtual, replicas",
     [("gpipe", 1, 1), ("1f1b", 1, 1), ("interleaved-1f1b", 2, 1), ("interleaved-zb", 2, 1), ("gpipe", 1, 2)],
 )
-def test_stages_read_their_batches_and_equal_gradient_accumulation(trainer_for, images, schedule, virtual, replicas) -> None:
+def test_stages_read_their_batches_and_equal_gradient_accumulation(
+    trainer_for, images, schedule, virtual, replicas
+) -> None:
     """Three steps (2 a call, the second call queued), then the val split: the model equals single-process
     gradient accumulation over the same 4 micro-batches a step, and the driver sent positions."""
     trainer = trainer_for(schedule, virtual, replicas)
@@ -201,7 +230,9 @@ def test_stages_read_their_batches_and_equal_gradient_accumulation(trainer_for, 
 
 
 def test_data_form_checks_before_any_actor(images: str) -> None:
-    with pytest.raises(UsageError, match=r"^data: global_batch_size 500 must be between 1 and the 160 training samples$"):
+    with pytest.raises(
+        UsageError, match=r"^data: global_batch_size 500 must be between 1 and the 160 training samples$"
+    ):
         PipelineTrainer(_model(), 2, data=StageData(images, 500))
     with pytest.raises(UsageError, match=r"^num_microbatches: 3 micro-batches do not divide a batch of 16 samples"):
         PipelineTrainer(_model(), 2, num_microbatches=3, data=StageData(images, 16))

@@ -10,7 +10,17 @@ import torch
 
 from raytrain_mp.pipeline.handoff import from_wire, to_wire
 
-DTYPES = [torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def sample(dtype: torch.dtype) -> torch.Tensor:

@@ -239,7 +239,11 @@ def test_rescaled_costs_sum_to_each_ranks_measured_seconds() -> None:
     scaled = rescale_to_measured(costs, bounds, 2, [10.0, 6.0])
     # rank 0: blocks 0 and 3 (profiled 5), x2; rank 1: blocks 1, 2, 4, 5 (profiled 10), x0.6
     assert scaled == pytest.approx([2.0, 1.2, 1.8, 8.0, 0.0, 3.0], rel=1e-15)
-    assert rescale_to_measured([0.0, 0.0, 2.0], [0, 2, 3], 2, [3.0, 1.0]) == [0.0, 0.0, 1.0]  # nothing to scale on rank 0
+    assert rescale_to_measured([0.0, 0.0, 2.0], [0, 2, 3], 2, [3.0, 1.0]) == [
+        0.0,
+        0.0,
+        1.0,
+    ]  # nothing to scale on rank 0
 
 
 def test_a_cut_moves_blocks_off_the_stage_that_runs_slower_than_profiled() -> None:
@@ -313,4 +317,3 @@ def test_profile_blocks_times_each_block_and_leaves_the_model_alone() -> None:
     assert len(seconds) == 3 and all(f > 0 and b > 0 for f, b in seconds)  # blocks 0, 1+2 and 3
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
-

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 import ray
 import torch
+from test_pipeline_trainer import LRS, _accumulate, _assert_state_close, _batches, _model, _reference
 from torch import nn
 
-from helpers import kill_actor, session_cpus
 from raytrain_mp.errors import UsageError
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError, convert_deferred_batchnorm, split_batch
@@ -32,8 +32,8 @@ from raytrain_mp.pipeline.replicas import (
     stage_ranks,
 )
 from raytrain_mp.pipeline.trainer import check_resources
-from test_pipeline_trainer import LRS, _accumulate, _assert_state_close, _batches, _model, _reference
 
+from helpers import kill_actor, session_cpus
 
 # -- pure ------------------------------------------------------------------------------------------
 
@@ -71,7 +71,10 @@ def test_replica_nodes_spread_where_they_can() -> None:
     assert replica_nodes(two, 2, [cpu] * 2) == ["a", "b"]
     assert replica_nodes(two, 3, [cpu] * 2) == ["a", "b", None]
     assert replica_nodes({"big": {"CPU": 8}, "small": {"CPU": 2}}, 3, [cpu] * 2) == ["big", "small", "big"]
-    assert replica_nodes({"gpu": {"CPU": 8, "GPU": 2}, "cpu": {"CPU": 8}}, 2, [{"CPU": 1, "GPU": 1}] * 2) == ["gpu", None]
+    assert replica_nodes({"gpu": {"CPU": 8, "GPU": 2}, "cpu": {"CPU": 8}}, 2, [{"CPU": 1, "GPU": 1}] * 2) == [
+        "gpu",
+        None,
+    ]
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
@@ -101,7 +104,9 @@ def test_resource_check_counts_every_replica() -> None:
     with pytest.raises(UsageError) as info:
         check_resources(nodes, [{"CPU": 1}] * 2, "PACK", num_replicas=3)
     assert str(info.value) == "cpus_per_stage: 3 replicas x 2 stages need 6 CPU (1 each); the Ray cluster has 4"
-    with pytest.raises(UsageError, match=r"^placement_strategy: STRICT_PACK needs a node per replica .* hold 1 of 2 replicas"):
+    with pytest.raises(
+        UsageError, match=r"^placement_strategy: STRICT_PACK needs a node per replica .* hold 1 of 2 replicas"
+    ):
         check_resources([{"CPU": 3}, {"CPU": 1}], [{"CPU": 1}] * 2, "STRICT_PACK", num_replicas=2)
 
 
@@ -121,8 +126,15 @@ class TestReplicasAgainstGradientAccumulation:
     def trainer(self, request: pytest.FixtureRequest, ray_session: object) -> Iterator[PipelineTrainer]:
         dtype, replicas, stages, m = request.param
         trainer = PipelineTrainer(
-            _model(dtype), stages, num_replicas=replicas, num_microbatches=m, lr=LRS[0], momentum=0.9, weight_decay=0.0,
-            use_gpu=False, memory_format="channels_last",  # a layout the reference can compute in too
+            _model(dtype),
+            stages,
+            num_replicas=replicas,
+            num_microbatches=m,
+            lr=LRS[0],
+            momentum=0.9,
+            weight_decay=0.0,
+            use_gpu=False,
+            memory_format="channels_last",  # a layout the reference can compute in too
         )
         trainer.dtype = dtype
         yield trainer
@@ -140,7 +152,9 @@ class TestReplicasAgainstGradientAccumulation:
             assert all(torch.equal(first[key], second[key]) for key in first)
         # The reference: one process, the whole batch in R x m micro-batches.
         # (computed as the stages compute: channels-last)
-        want_losses, want_state = _reference(trainer.dtype, trainer.num_replicas * trainer.num_microbatches, steps, True)
+        want_losses, want_state = _reference(
+            trainer.dtype, trainer.num_replicas * trainer.num_microbatches, steps, True
+        )
         rtol = 1e-10 if float64 else 1e-5
         assert losses == pytest.approx(want_losses, rel=rtol)
         _assert_state_close(trainer.state_dict(), want_state, rtol)
@@ -159,8 +173,18 @@ def test_deferred_bn_and_clipping_over_replicas(ray_session: object) -> None:
     model = _model(torch.float64)
     batches = _batches(torch.float64, 2)
     clip = 0.5
-    with PipelineTrainer(model, 2, num_replicas=2, num_microbatches=2, deferred_bn=True, clip_grad_norm=clip,
-                         lr=LRS[0], momentum=0.9, weight_decay=0.0, use_gpu=False) as pipeline:  # fmt: skip
+    with PipelineTrainer(
+        model,
+        2,
+        num_replicas=2,
+        num_microbatches=2,
+        deferred_bn=True,
+        clip_grad_norm=clip,
+        lr=LRS[0],
+        momentum=0.9,
+        weight_decay=0.0,
+        use_gpu=False,
+    ) as pipeline:
         losses = [pipeline.train_step(*batches[0])]
         whole = copy.deepcopy(model.bn1)
         whole(model.conv1(batches[0][0]))
@@ -185,13 +209,27 @@ def test_interleaved_replicas_on_an_mlp(ray_session: object) -> None:
     """Replicas of an interleaved pipeline (2 stages x 2 virtual stages each): the schedule's
     point-to-point traffic stays inside each replica's group."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)
+    )
     model = model.double()
     generator = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(16, 4, generator=generator, dtype=torch.float64), torch.randint(0, 3, (16,), generator=generator))
-               for _ in range(2)]  # fmt: skip
-    with PipelineTrainer(model, 2, num_replicas=2, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=2,
-                         lr=0.1, momentum=0.9, weight_decay=0.0, use_gpu=False) as pipeline:  # fmt: skip
+    batches = [
+        (torch.randn(16, 4, generator=generator, dtype=torch.float64), torch.randint(0, 3, (16,), generator=generator))
+        for _ in range(2)
+    ]
+    with PipelineTrainer(
+        model,
+        2,
+        num_replicas=2,
+        num_microbatches=4,
+        schedule="interleaved-1f1b",
+        virtual_stages=2,
+        lr=0.1,
+        momentum=0.9,
+        weight_decay=0.0,
+        use_gpu=False,
+    ) as pipeline:
         losses = [pipeline.train_step(x, y) for x, y in batches]
         state = pipeline.state_dict(1)
     reference = copy.deepcopy(model)
@@ -210,8 +248,15 @@ def test_bad_replicas_fail_before_any_actor(ray_session: object) -> None:
     replicas = cpus // 2 + 1  # of 2 stages: one replica more than the session's CPUs hold
     with pytest.raises(UsageError) as info:
         PipelineTrainer(model, 2, num_replicas=replicas, use_gpu=False)
-    assert str(info.value) == f"cpus_per_stage: {replicas} replicas x 2 stages need {2 * replicas} CPU (1 each); the Ray cluster has {cpus}"
-    assert (len(ray.util.list_named_actors(all_namespaces=True)), len(ray.util.placement_group_table())) == actors_before
+    assert (
+        str(info.value)
+        == f"cpus_per_stage: {replicas} replicas x 2 stages need {2 * replicas} CPU (1 each); the Ray cluster has "
+        f"{cpus}"
+    )
+    assert (
+        len(ray.util.list_named_actors(all_namespaces=True)),
+        len(ray.util.placement_group_table()),
+    ) == actors_before
 
 
 def test_a_killed_actor_of_replica_1_is_named(ray_session: object) -> None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import run_cli_json
-from run_log_check import checked_run_log
 from raytrain_mp.checkpointing import load_checkpoint
 from raytrain_mp.models import build_model
 from raytrain_mp.storage import join, latest_complete, locate
+
+from helpers import run_cli_json
+from run_log_check import checked_run_log
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 
@@ -26,8 +27,8 @@ def test_pipeline_checkpoints_and_resumes_in_a_bucket(bucket, tmp_path, monkeypa
     write_dataset(make_synthetic_source(200, 8, 4, 1, 0.2, 11), data)
     storage = join(bucket, "runs")
     marker = tmp_path / "killed"
-    args = ["pipeline", "--no-use-gpu", "--data", data, "--stages", "2", "--global-batch-size", "32", "--microbatches", "2",
-            "--storage-path", storage, "--name", "p1", "--log-every", "0"]  # fmt: skip
+    args = ["pipeline", "--no-use-gpu", "--data", data, "--stages", "2", "--global-batch-size", "32",
+            "--microbatches", "2", "--storage-path", storage, "--name", "p1", "--log-every", "0"]  # fmt: skip
     first = run_cli_json(*args, "--epochs", "2", "--max-failures", "1", "--inject-fault", f"1:1:{marker}")
     assert marker.read_text() == "killed stage 1 after epoch 1\n"  # restarted from the bucket's checkpoint
     run = locate(storage, "--storage-path").child("p1")
@@ -47,5 +48,7 @@ def test_pipeline_checkpoints_and_resumes_in_a_bucket(bucket, tmp_path, monkeypa
     state, train_state = load_checkpoint(run.child("checkpoint_000003"))
     assert train_state["epoch"] == 2 and all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
     assert [f.uri for f in run.folders("checkpoint_")] == [run.child(f"checkpoint_00000{i}").uri for i in (2, 3)]
-    checked_run_log(run.uri, steps=15, epochs=3, steps_per_epoch=5, log_every=0)  # metrics.csv, events, curves in the bucket
+    checked_run_log(
+        run.uri, steps=15, epochs=3, steps_per_epoch=5, log_every=0
+    )  # metrics.csv, events, curves in the bucket
     assert sorted(p.name for p in tmp_path.iterdir()) == ["killed"]  # nothing named "s3:" here

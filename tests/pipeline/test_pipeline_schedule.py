@@ -10,7 +10,15 @@ import pytest
 
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline import schedule as sched
-from raytrain_mp.pipeline.schedule import SCHEDULES, Schedule, build_schedule, clock_ticks, format_ticks, gpipe, one_f_one_b
+from raytrain_mp.pipeline.schedule import (
+    SCHEDULES,
+    Schedule,
+    build_schedule,
+    clock_ticks,
+    format_ticks,
+    gpipe,
+    one_f_one_b,
+)
 
 SPELLED_OUT = [name for name, entry in SCHEDULES.items() if entry.ops is not None]  # gpipe, 1f1b
 CASES = [(name, s, m) for name in SPELLED_OUT for s in range(1, 9) for m in range(1, 17)]
@@ -132,12 +140,15 @@ def test_check_schedule_refuses_exactly_what_torch_refuses(name: str, ranks: int
         (("pipedream", 2, 1, 4),
          "schedule: unknown schedule 'pipedream'; accepted: gpipe, 1f1b, interleaved-1f1b, interleaved-zb"),
         (("gpipe", 2, 2, 4),
-         "virtual_stages: the gpipe schedule runs one stage per rank, got 2; use interleaved-1f1b or interleaved-zb for several"),
+         "virtual_stages: the gpipe schedule runs one stage per rank, got 2; use interleaved-1f1b or interleaved-zb "
+         "for several"),
         (("interleaved-1f1b", 2, 1, 4), "virtual_stages: interleaved-1f1b needs at least 2 stages per rank, got 1"),
         (("interleaved-zb", 2, 2, 5),
-         "num_microbatches: interleaved-zb over 2 ranks runs 2 equal rounds of micro-batches, so m must be a multiple of 2, got 5"),
+         "num_microbatches: interleaved-zb over 2 ranks runs 2 equal rounds of micro-batches, so m must be a "
+         "multiple of 2, got 5"),
         (("1f1b", 3, 1, 2),
-         "num_microbatches: 1F1B over 3 stages needs at least 3 micro-batches, got 2; use more micro-batches or the gpipe schedule"),
+         "num_microbatches: 1F1B over 3 stages needs at least 3 micro-batches, got 2; use more micro-batches or the "
+         "gpipe schedule"),
         (("gpipe", 2, 1, 0), "num_microbatches: need at least 1 micro-batch, got 0"),
     ],
 )  # fmt: skip
@@ -158,7 +169,9 @@ def test_ideal_bubbles() -> None:
 def test_bubble_for_stage_times() -> None:
     for stages in range(1, 5):
         for m in (1, 4, 8):
-            assert sched.bubble_for_stage_times([2.0] * stages, m) == pytest.approx(sched.ideal_bubble("gpipe", stages, m))
+            assert sched.bubble_for_stage_times([2.0] * stages, m) == pytest.approx(
+                sched.ideal_bubble("gpipe", stages, m)
+            )
     # one slow stage: 8 micro-batches take 1/8 + 2/8 + 7/8 * 2 = 2.125 s; busy 3 of 2 * 2.125
     assert sched.bubble_for_stage_times([1.0, 2.0], 8) == pytest.approx(1 - 3 / 4.25)
     # Forwards in the same proportion on every stage: the same figure.
@@ -210,13 +223,17 @@ def test_the_registry_is_the_one_place_a_schedule_is_named(monkeypatch: pytest.M
     with pytest.raises(UsageError, match="schedule: unknown schedule 'looped-bfs'; accepted: gpipe, 1f1b$"):
         build_schedule("looped-bfs", 2, 4)
     # Running stages keep their layout: a schedule that lays them out otherwise is refused.
-    monkeypatch.setitem(SCHEDULES, "v-test", Schedule("v-test", "V", "ScheduleZBVZeroBubble", multi_stage=True, layout="v"))
+    monkeypatch.setitem(
+        SCHEDULES, "v-test", Schedule("v-test", "V", "ScheduleZBVZeroBubble", multi_stage=True, layout="v")
+    )
     with pytest.raises(UsageError, match="v-test lays its stages out as 'v', the running stages lie as 'loop'"):
         sched.check_schedule("v-test", 2, 2, 4, layout="loop")
     sched.check_schedule("looped-bfs", 2, 2, 4, layout="loop")
 
 
-LAYOUT_CASES = [(layout, ranks, virtual) for layout in sched.STAGE_LAYOUTS for ranks in range(1, 9) for virtual in range(1, 5)]
+LAYOUT_CASES = [
+    (layout, ranks, virtual) for layout in sched.STAGE_LAYOUTS for ranks in range(1, 9) for virtual in range(1, 5)
+]
 
 
 @pytest.mark.parametrize(("layout", "ranks", "virtual"), LAYOUT_CASES)

@@ -20,13 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
+from test_pipeline_trainer import _accumulate, _assert_state_close  # the same reference step and comparison
 from torch import nn
 
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline import PipelineTrainer, convert_deferred_batchnorm
 from raytrain_mp.pipeline.blocks import StageModule, flatten_model
 from raytrain_mp.pipeline.partition import split_bounds
-from test_pipeline_trainer import _accumulate, _assert_state_close  # the same reference step and comparison
 
 BATCH, M = 16, 4
 LRS = [0.05, 0.03, 0.02]
@@ -70,10 +70,12 @@ def _batches(name: str, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     size = MODELS[name][1]
     generator = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(BATCH, 3, size, size, generator=generator, dtype=torch.float64),
-         torch.randint(0, 10, (BATCH,), generator=generator))
+        (
+            torch.randn(BATCH, 3, size, size, generator=generator, dtype=torch.float64),
+            torch.randint(0, 10, (BATCH,), generator=generator),
+        )
         for _ in range(steps)
-    ]  # fmt: skip
+    ]
 
 
 # -- without Ray ------------------------------------------------------------------------------
@@ -105,8 +107,10 @@ def test_every_cut_computes_the_model_and_its_gradients(name: str) -> None:
         sent.backward(received.grad)
         grads = {**dict(first.named_parameters()), **dict(second.named_parameters())}
         assert sorted(grads) == sorted(want_grads), f"cut before {names[cut]}"
-        got_flat, want_flat = (torch.cat([g[key].flatten() for key in sorted(g)]) for g in (
-            {key: p.grad for key, p in grads.items()}, want_grads))  # fmt: skip
+        got_flat, want_flat = (
+            torch.cat([g[key].flatten() for key in sorted(g)])
+            for g in ({key: p.grad for key, p in grads.items()}, want_grads)
+        )
         torch.testing.assert_close(got_flat, want_flat, rtol=1e-5, atol=1e-7, msg=f"cut before {names[cut]}")
         assert sorted([*first.state_dict(), *second.state_dict()]) == sorted(model.state_dict())
     assert crossing_many  # some cut sends several tensors packed into one
@@ -121,7 +125,9 @@ def test_names_follow_the_module_paths() -> None:
     assert names[-2:] == ["encoder.ln", "heads.head"]
     cut = split_bounds(names, ["encoder.layers.encoder_layer_1"], 2)
     assert names[cut[1]] == "encoder.layers.encoder_layer_1"
-    with pytest.raises(UsageError, match=r"^split_points: 'encoder.layer_9' names no block; blocks: conv_proj, encoder, "):
+    with pytest.raises(
+        UsageError, match=r"^split_points: 'encoder.layer_9' names no block; blocks: conv_proj, encoder, "
+    ):
         split_bounds(names, ["encoder.layer_9"], 2)
 
 
@@ -186,8 +192,11 @@ class _Holder(nn.Module):
 
 
 def test_a_traced_model_needs_an_example_input() -> None:
-    with pytest.raises(UsageError, match=r"^model: cutting a SkipNet from its traced graph needs an example input "
-                                         r"\(PipelineTrainer's sample_input, a batch like the training batches\)$"):  # fmt: skip
+    with pytest.raises(
+        UsageError,
+        match=r"^model: cutting a SkipNet from its traced graph needs an example input "
+        r"\(PipelineTrainer's sample_input, a batch like the training batches\)$",
+    ):
         flatten_model(SkipNet())
 
 
@@ -202,7 +211,9 @@ def test_a_forward_that_returns_more_than_logits_is_refused() -> None:
 
     with pytest.raises(UsageError) as info:
         flatten_model(Pair(), torch.randn(3, 4))
-    assert str(info.value) == "model: Pair.forward returns a tuple; the pipeline's last stage needs one tensor of logits"
+    assert (
+        str(info.value) == "model: Pair.forward returns a tuple; the pipeline's last stage needs one tensor of logits"
+    )
 
 
 def test_shared_state_is_never_cut_apart() -> None:
@@ -253,8 +264,17 @@ SPLITS = {"mobilenet_v3_small": None, "vit": None, "skipnet": ["b.1"]}
 def test_gpipe_and_1f1b_equal_gradient_accumulation(name: str, ray_session: object) -> None:
     model, batches = _model(name), _batches(name, 3)
     want_losses, want_state = _reference(copy.deepcopy(model), batches)
-    with PipelineTrainer(model, 2, split_points=SPLITS[name], num_microbatches=M, lr=LRS[0], momentum=0.9,
-                         weight_decay=0.0, use_gpu=False, sample_input=batches[0][0]) as trainer:  # fmt: skip
+    with PipelineTrainer(
+        model,
+        2,
+        split_points=SPLITS[name],
+        num_microbatches=M,
+        lr=LRS[0],
+        momentum=0.9,
+        weight_decay=0.0,
+        use_gpu=False,
+        sample_input=batches[0][0],
+    ) as trainer:
         initial, optimizers = trainer.state_dict(), trainer.optimizer_state_dicts()
         if SPLITS[name]:
             assert trainer.plan[1].blocks[0] == SPLITS[name][0]
@@ -274,9 +294,19 @@ def test_gpipe_and_1f1b_equal_gradient_accumulation(name: str, ray_session: obje
 
 def test_interleaved_with_deferred_batchnorm_on_mobilenet(ray_session: object) -> None:
     model, batches = _model("mobilenet_v3_small"), _batches("mobilenet_v3_small", 3)
-    with PipelineTrainer(model, 2, schedule="interleaved-1f1b", virtual_stages=2, num_microbatches=M, lr=LRS[0],
-                         momentum=0.9, weight_decay=0.0, use_gpu=False, deferred_bn=True,
-                         sample_input=batches[0][0]) as trainer:  # fmt: skip
+    with PipelineTrainer(
+        model,
+        2,
+        schedule="interleaved-1f1b",
+        virtual_stages=2,
+        num_microbatches=M,
+        lr=LRS[0],
+        momentum=0.9,
+        weight_decay=0.0,
+        use_gpu=False,
+        deferred_bn=True,
+        sample_input=batches[0][0],
+    ) as trainer:
         losses = _train(trainer, batches[:1])
         # The stem's BatchNorm saw its convolution's output in M micro-batches; its running
         # statistics are those of one BatchNorm pass over the whole batch.

@@ -26,11 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import kill_actor, session_cpus, session_gpus
 from raytrain_mp.errors import UsageError
+from raytrain_mp.faults import ABRUPT
 from raytrain_mp.models import build_model
 from raytrain_mp.optim import build_optimizer
-from raytrain_mp.faults import ABRUPT
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError, convert_deferred_batchnorm, split_batch
 from raytrain_mp.pipeline import trainer as trainer_module
 from raytrain_mp.pipeline.blocks import flatten_model
@@ -39,6 +38,8 @@ from raytrain_mp.pipeline.partition import balance_bounds, cut_score, rescale_to
 from raytrain_mp.pipeline.schedule import SCHEDULES, Schedule
 from raytrain_mp.pipeline.stage import StageWorker
 from raytrain_mp.pipeline.trainer import check_resources
+
+from helpers import kill_actor, session_cpus, session_gpus
 
 BATCH, SIZE = 20, 64
 # by virtual stages: gpipe and 1f1b; interleaved-1f1b and interleaved-zb
@@ -65,7 +66,11 @@ def _batches(dtype: torch.dtype, steps: int) -> list[tuple[torch.Tensor, torch.T
 
 
 def _accumulate(
-    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, m: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    m: int,
     clip: float | None = None,
 ) -> float:
     """The single-process reference step: losses weighted by micro-batch share, one update."""
@@ -209,10 +214,17 @@ class TestAgainstGradientAccumulation:
         # float64 measured per stage (the default), but contiguous on f64-3ranks.
         split = {(2, 1): ["layer3"], (3, 2): ["layer1.1", "layer2.0", "layer2.1", "layer3.1", "layer4.0"]}
         trainer = PipelineTrainer(
-            _model(dtype), num_stages, split_points=split[num_stages, virtual] if dtype == torch.float32 else None,
-            schedule=SCHEDULES_OF[virtual][0], virtual_stages=virtual, lr=LRS[0], momentum=0.9, weight_decay=0.0,
-            use_gpu=False, memory_format=memory_format,
-        )  # fmt: skip
+            _model(dtype),
+            num_stages,
+            split_points=split[num_stages, virtual] if dtype == torch.float32 else None,
+            schedule=SCHEDULES_OF[virtual][0],
+            virtual_stages=virtual,
+            lr=LRS[0],
+            momentum=0.9,
+            weight_decay=0.0,
+            use_gpu=False,
+            memory_format=memory_format,
+        )
         yield Pipeline(trainer, dtype, memory_format, trainer.state_dict(), trainer.optimizer_state_dicts())
         trainer.shutdown()
 
@@ -290,9 +302,19 @@ def test_deferred_bn_time_balance_trials_adamw_and_clipping(ray_session: object)
     # The zero-bubble schedule splits each backward into input and weight gradients: the clipping
     # and the deferred statistics must not care. The profile's cut first runs on the actors for a
     # step, and the cut of the profile rescaled to what the ranks measured then, while it is new.
-    with PipelineTrainer(model, 2, balance="time", sample_input=batches[0][0], deferred_bn=True, num_microbatches=4,
-                         schedule="interleaved-zb", virtual_stages=2, use_gpu=False, balance_trials=1,
-                         **options) as pipeline:  # fmt: skip
+    with PipelineTrainer(
+        model,
+        2,
+        balance="time",
+        sample_input=batches[0][0],
+        deferred_bn=True,
+        num_microbatches=4,
+        schedule="interleaved-zb",
+        virtual_stages=2,
+        use_gpu=False,
+        balance_trials=1,
+        **options,
+    ) as pipeline:
         assert all(plan.seconds > plan.forward_seconds > 0 for plan in pipeline.plan)
         names = [block.name for block in flatten_model(model)]
         forward, backward = (list(phase) for phase in zip(*pipeline.profile))
@@ -304,8 +326,10 @@ def test_deferred_bn_time_balance_trials_adamw_and_clipping(ray_session: object)
             assert trial["profile_score"] == cut_score(forward, backward, cut, False)
             assert all(seconds > 0 for seconds in trial["forward_seconds"] + trial["backward_seconds"])
             assert trial["seconds_per_step"] > 0 and 0 <= trial["bubble_fraction"] < 1
-            rescaled = [rescale_to_measured(costs, cut, 2, trial[key])
-                        for costs, key in ((forward, "forward_seconds"), (backward, "backward_seconds"))]  # fmt: skip
+            rescaled = [
+                rescale_to_measured(costs, cut, 2, trial[key])
+                for costs, key in ((forward, "forward_seconds"), (backward, "backward_seconds"))
+            ]
             following = balance_bounds([f + b for f, b in zip(*rescaled)], 4)
             if index + 1 < len(cuts):
                 assert following == cuts[index + 1]
@@ -341,9 +365,15 @@ def _tiny() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 def _assert_stopped(pipeline: PipelineTrainer, model: nn.Module, x: torch.Tensor, y: torch.Tensor, why: str) -> None:
     """Every use that needs the stages says, in one line, that they were stopped and why."""
-    uses = [lambda: pipeline.train_step(x, y), lambda: pipeline.predict(x), pipeline.state_dict,
-            pipeline.optimizer_state_dicts, lambda: pipeline.set_lr(0.1), lambda: pipeline.actor(0),
-            lambda: pipeline.load_state_dict(model.state_dict())]  # fmt: skip
+    uses = [
+        lambda: pipeline.train_step(x, y),
+        lambda: pipeline.predict(x),
+        pipeline.state_dict,
+        pipeline.optimizer_state_dicts,
+        lambda: pipeline.set_lr(0.1),
+        lambda: pipeline.actor(0),
+        lambda: pipeline.load_state_dict(model.state_dict()),
+    ]
     for use in uses:
         with pytest.raises(RuntimeError) as info:
             use()
@@ -382,9 +412,7 @@ def test_a_killed_stage_is_named(ray_session: object) -> None:
         with pytest.raises(StageFailedError) as info:
             pipeline.train_step(x, y)
     assert (info.value.stage, info.value.step) == (0, 2)
-    assert str(info.value) == (
-        "pipeline stage 0 (of stages 0-1) failed at step 2: its actor died: killed by ray.kill"
-    )
+    assert str(info.value) == ("pipeline stage 0 (of stages 0-1) failed at step 2: its actor died: killed by ray.kill")
     _assert_stopped(pipeline, model, x, y, "a failure of stage 0, after which it stopped every stage actor")
 
 
@@ -411,7 +439,9 @@ def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) 
     )
 
 
-def test_a_hanging_stage_is_named_when_its_peer_aborts_as_on_nccl(ray_session: object, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hanging_stage_is_named_when_its_peer_aborts_as_on_nccl(
+    ray_session: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(trainer_module, "_WATCHDOG_DUMP_S", 0.0)  # this abort waits for no debug dump
     monkeypatch.setattr(trainer_module, "_FAILURE_GRACE_S", 1.0)  # stage 1 never answers: no race to wait out
 
@@ -441,37 +471,60 @@ def test_a_hanging_stage_is_named_when_its_peer_aborts_as_on_nccl(ray_session: o
     ("kwargs", "message"),
     [
         ({"num_stages": 19}, "num_stages: 19 stages for 18 blocks; each stage needs at least one block"),
-        ({"split_points": ["layer9"]}, "split_points: 'layer9' names no block; blocks: stem, "
-         + ", ".join(f"layer{i}.{j}.conv{k}" for i in range(1, 5) for j in range(2) for k in (1, 2)) + ", head"),
-        ({"num_stages": 3, "split_points": ["layer4", "layer2"]},
-         "split_points: 'layer2' does not come after 'layer4.0.conv1'; give split points in model order"),
+        (
+            {"split_points": ["layer9"]},
+            "split_points: 'layer9' names no block; blocks: stem, "
+            + ", ".join(f"layer{i}.{j}.conv{k}" for i in range(1, 5) for j in range(2) for k in (1, 2))
+            + ", head",
+        ),
+        (
+            {"num_stages": 3, "split_points": ["layer4", "layer2"]},
+            "split_points: 'layer2' does not come after 'layer4.0.conv1'; give split points in model order",
+        ),
         ({"num_microbatches": 0}, "num_microbatches: need at least 1 micro-batch, got 0"),
-        ({"num_stages": 3, "schedule": "1f1b", "num_microbatches": 2},
-         "num_microbatches: 1F1B over 3 stages needs at least 3 micro-batches, got 2; "
-         "use more micro-batches or the gpipe schedule"),
+        (
+            {"num_stages": 3, "schedule": "1f1b", "num_microbatches": 2},
+            "num_microbatches: 1F1B over 3 stages needs at least 3 micro-batches, got 2; "
+            "use more micro-batches or the gpipe schedule",
+        ),
         ({"optimizer": "lamb"}, "optimizer: unknown optimizer 'lamb'; accepted: sgd, adamw"),
         ({"lr": 0}, "lr: must be > 0, got 0"),
         ({"clip_grad_norm": -1.0}, "clip_grad_norm: must be > 0, got -1.0"),
         ({"split_points": ["layer3"], "balance": "params"}, "split_points, balance: give one of them, not both"),
         ({"balance": "flops"}, "balance: unknown mode 'flops'; accepted: time, params"),
         ({"balance": "time"}, "balance: 'time' needs sample_input, a batch like the training batches, to profile on"),
-        ({"balance": "time", "sample_input": torch.zeros(3, 1, 8, 8)},
-         "num_microbatches: 4 micro-batches need a batch of at least 4 samples, got 3"),
+        (
+            {"balance": "time", "sample_input": torch.zeros(3, 1, 8, 8)},
+            "num_microbatches: 4 micro-batches need a batch of at least 4 samples, got 3",
+        ),
         ({"balance_trials": -1}, "balance_trials: a whole number of steps >= 0, got -1"),
-        ({"balance_trials": 2}, "balance_trials: tries the cuts of balance='time' on running stages; the cut here is params"),
-        ({"split_points": ["layer3"], "balance_trials": 2},
-         "balance_trials: tries the cuts of balance='time' on running stages; the cut here is split_points"),
-        ({"balance": "time", "sample_input": torch.zeros(6, 1, 8, 8), "balance_trials": 1},
-         "num_microbatches: 4 micro-batches do not divide a batch of 6 samples; torch's pipeline runtime needs "
-         "micro-batches of equal size"),
+        (
+            {"balance_trials": 2},
+            "balance_trials: tries the cuts of balance='time' on running stages; the cut here is params",
+        ),
+        (
+            {"split_points": ["layer3"], "balance_trials": 2},
+            "balance_trials: tries the cuts of balance='time' on running stages; the cut here is split_points",
+        ),
+        (
+            {"balance": "time", "sample_input": torch.zeros(6, 1, 8, 8), "balance_trials": 1},
+            "num_microbatches: 4 micro-batches do not divide a batch of 6 samples; torch's pipeline runtime needs "
+            "micro-batches of equal size",
+        ),
         ({"schedule": "interleaved-1f1b"}, "virtual_stages: interleaved-1f1b needs at least 2 stages per rank, got 1"),
         ({"virtual_stages": 0}, "virtual_stages: must be >= 1, got 0"),
         ({"p2p_timeout_s": 0}, "p2p_timeout_s: must be > 0 seconds, got 0"),
         ({"memory_format": "nhwc"}, "memory_format: unknown layout 'nhwc'; accepted: auto, channels_last, contiguous"),
         ({"cpus_per_stage": 0}, "cpus_per_stage: must be a whole number >= 1, got 0"),
-        ({"cpus_per_stage": OVER_HALF}, f"cpus_per_stage: 2 stages need {2 * OVER_HALF} CPU ({OVER_HALF} each); the Ray cluster has {session_cpus()}"),
-        ({"placement_strategy": "RANDOM"},
-         "placement_strategy: unknown strategy 'RANDOM'; accepted: STRICT_PACK, PACK, SPREAD, STRICT_SPREAD"),
+        (
+            {"cpus_per_stage": OVER_HALF},
+            f"cpus_per_stage: 2 stages need {2 * OVER_HALF} CPU ({OVER_HALF} each); the Ray cluster has "
+            f"{session_cpus()}",
+        ),
+        (
+            {"placement_strategy": "RANDOM"},
+            "placement_strategy: unknown strategy 'RANDOM'; accepted: STRICT_PACK, PACK, SPREAD, STRICT_SPREAD",
+        ),
     ],
 )
 def test_bad_input_fails_before_any_actor(
@@ -498,8 +551,10 @@ def test_more_stages_than_gpus_fails_before_any_actor(ray_session: object) -> No
 @pytest.mark.parametrize(
     ("model", "message"),
     [
-        (build_model("resnet18", 10).half(),
-         "model: parameters are torch.float16; use float32 or float64 (bf16 through autocast_bf16)"),
+        (
+            build_model("resnet18", 10).half(),
+            "model: parameters are torch.float16; use float32 or float64 (bf16 through autocast_bf16)",
+        ),
         (nn.Sequential(nn.ReLU()), "model: has no parameters to train"),
     ],
 )
@@ -536,7 +591,9 @@ def test_placement_checks() -> None:
         "cpus_per_stage: 3 replicas x 2 stages need 12 CPU (3/1 by stage: the first stage's loader processes "
         "(data.loader_workers) count); the Ray cluster has 8"
     )
-    with pytest.raises(UsageError, match=r"^placement_strategy: STRICT_SPREAD needs 2 nodes that each hold one stage each"):
+    with pytest.raises(
+        UsageError, match=r"^placement_strategy: STRICT_SPREAD needs 2 nodes that each hold one stage each"
+    ):
         check_resources([{"CPU": 2}, {"CPU": 2}], loading, "STRICT_SPREAD")
 
 

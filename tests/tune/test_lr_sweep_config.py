@@ -12,7 +12,6 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from helpers import assert_usage_error, run_cli
 from raytrain_mp.config import build_config
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.errors import UsageError
@@ -30,6 +29,8 @@ from raytrain_mp.tune.config import (
 )
 from raytrain_mp.tune.report import COLUMNS, TrialOutcome, best_row, table_rows, write_outputs
 
+from helpers import assert_usage_error, run_cli
+
 
 def make(tmp_path, **flags) -> TuneConfig:
     return build_config(TuneConfig, {"storage_path": str(tmp_path / "runs"), "num_workers": "1", **flags})
@@ -46,7 +47,9 @@ def test_every_other_ddp_option_is_a_sweep_option_with_the_same_definition():
 
 
 def test_grids_from_flags_and_yaml(tmp_path):
-    cfg = make(tmp_path, base_lrs="0.1, 0.2,0.4", global_batch_sizes="32,64", optimizers="sgd,adamw", warmup_epochs_grid="0,1")
+    cfg = make(
+        tmp_path, base_lrs="0.1, 0.2,0.4", global_batch_sizes="32,64", optimizers="sgd,adamw", warmup_epochs_grid="0,1"
+    )
     assert cfg.grid() == {
         "global_batch_size": (32, 64),
         "optimizer": ("sgd", "adamw"),
@@ -98,9 +101,21 @@ BAD = [
     (["--base-lrs", "nan"], ["--base-lrs: must be finite numbers > 0"]),
     (["--global-batch-sizes", "64,0"], ["--global-batch-sizes: must be >= 1, got 0"]),
     (["--global-batch-sizes=-64"], ["--global-batch-sizes: must be >= 1, got -64"]),
-    (["--global-batch-sizes", "64,100", "--num-workers", "3"], ["--global-batch-sizes: 64 is not divisible by --num-workers 3; accepted: a multiple of 3"]),
-    (["--global-batch-sizes", "64", "--num-workers", "2", "--grad-accum-steps", "3"], ["--global-batch-sizes: 64 is not divisible by --num-workers 2 x --grad-accum-steps 3; accepted: a multiple of 6"]),
-    (["--num-workers", "1-2", "--max-failures", "1"], ["--num-workers: a sweep's trials run at one size; accepted: a worker count, got 1-2"]),
+    (
+        ["--global-batch-sizes", "64,100", "--num-workers", "3"],
+        ["--global-batch-sizes: 64 is not divisible by --num-workers 3; accepted: a multiple of 3"],
+    ),
+    (
+        ["--global-batch-sizes", "64", "--num-workers", "2", "--grad-accum-steps", "3"],
+        [
+            "--global-batch-sizes: 64 is not divisible by --num-workers 2 x --grad-accum-steps 3; accepted: a multiple "
+            "of 6"
+        ],
+    ),
+    (
+        ["--num-workers", "1-2", "--max-failures", "1"],
+        ["--num-workers: a sweep's trials run at one size; accepted: a worker count, got 1-2"],
+    ),
     (["--checkpoint-every-steps", "2"], ["unrecognized arguments: --checkpoint-every-steps"]),
     (["--global-batch-sizes", "64.5"], ["--global-batch-sizes: expected int, got '64.5'"]),
     (["--lr-min", "0", "--lr-max", "1"], ["--lr-min: must be a finite number > 0, got 0.0"]),
@@ -140,7 +155,16 @@ def test_resume_takes_no_other_options(tmp_path, capsys):
 
 
 def test_batch_larger_than_the_data_set(tmp_path, capsys, digits_dir):
-    res = run_cli(capsys, "tune", "--storage-path", str(tmp_path / "runs"), "--global-batch-sizes", "64,4096", "--num-workers", "1")
+    res = run_cli(
+        capsys,
+        "tune",
+        "--storage-path",
+        str(tmp_path / "runs"),
+        "--global-batch-sizes",
+        "64,4096",
+        "--num-workers",
+        "1",
+    )
     assert_usage_error(res, "--global-batch-sizes: 4096 exceeds the", "training samples")
     assert not (tmp_path / "runs").exists()
 
@@ -156,7 +180,11 @@ def test_trials_that_fit_counts_the_driver_and_the_workers(tmp_path):
     assert trials_that_fit(16, 0, 2, 2, use_gpu=False) == 3
     assert trials_that_fit(16, 8, 1, 1, use_gpu=True) == 8
     assert trials_that_fit(16, 8, 3, 1, use_gpu=True) == 2  # GPUs bound it
-    with pytest.raises(UsageError, match=r"--num-workers 4: a trial needs 5 CPUs \(1 for its driver \+ 4 x --cpus-per-worker 1\) but the Ray cluster has 4; accepted: at most 3 workers"):
+    with pytest.raises(
+        UsageError,
+        match=r"--num-workers 4: a trial needs 5 CPUs \(1 for its driver \+ 4 x --cpus-per-worker 1\) "
+        r"but the Ray cluster has 4; accepted: at most 3 workers",
+    ):
         trials_that_fit(4, 0, 4, 1, use_gpu=False)
     with pytest.raises(UsageError, match="--num-workers 2: a trial needs 2 GPUs but the Ray cluster has 1"):
         trials_that_fit(8, 1, 2, 1, use_gpu=True)
@@ -202,7 +230,11 @@ def test_table_rows(tmp_path, outcomes):
     assert (rows["t1"]["best_val_accuracy"], rows["t1"]["epochs_run"]) == (0.9, 2)
     assert math.isclose(rows["t1"]["best_val_loss"], 0.1) and rows["t1"]["status"] == "completed"
     assert (rows["t2"]["status"], rows["t2"]["epochs_run"], rows["t2"]["final_val_accuracy"]) == ("stopped", 1, 0.4)
-    assert (rows["t3"]["final_val_accuracy"], rows["t3"]["best_val_accuracy"], rows["t3"]["status"]) == (0.95, 0.95, "completed")
+    assert (rows["t3"]["final_val_accuracy"], rows["t3"]["best_val_accuracy"], rows["t3"]["status"]) == (
+        0.95,
+        0.95,
+        "completed",
+    )
     assert rows["t4"]["status"] == "error" and rows["t4"]["error"] == "FloatingPointError: non-finite metrics"
     assert rows["t4"]["best_val_accuracy"] is None and rows["t4"]["epochs_run"] == 0
     none_rule = make(tmp_path, lr_rule="none").template()
@@ -242,9 +274,16 @@ def test_best_yaml_holds_what_the_sweep_chose_not_this_machine(tmp_path, outcome
     text = Path(out["best_yaml"]).read_text()
     assert text.startswith(f"# Best trial of the sweep {tmp_path / 'exp'}: t3\n")
     chosen = {
-        "model": "resnet18", "epochs": 2, "base_lr": 0.4, "warmup_epochs": 1.0, "optimizer": "sgd", "seed": 5,
-        "log_every": 0, "num_workers": 1, "global_batch_size": 128,
-    }  # fmt: skip
+        "model": "resnet18",
+        "epochs": 2,
+        "base_lr": 0.4,
+        "warmup_epochs": 1.0,
+        "optimizer": "sgd",
+        "seed": 5,
+        "log_every": 0,
+        "num_workers": 1,
+        "global_batch_size": 128,
+    }
     assert yaml.safe_load(text) == chosen and list(yaml.safe_load(text)) == list(chosen)  # DDPConfig's field order
     # The same from a template that already holds machine state: none of it leaks.
     resolved = dataclasses.replace(
@@ -256,9 +295,15 @@ def test_best_yaml_holds_what_the_sweep_chose_not_this_machine(tmp_path, outcome
     given = prepared(make(tmp_path, data=os.path.relpath(digits_dir), epochs="2", name="given"))
     with_data = write_outputs(rows, given.template(), "val_accuracy", "max", str(tmp_path / "with-data"))
     assert yaml.safe_load(Path(with_data["best_yaml"]).read_text()) == {
-        "data": digits_dir, "model": "resnet18", "epochs": 2, "base_lr": 0.4, "warmup_epochs": 1.0,
-        "optimizer": "sgd", "num_workers": 1, "global_batch_size": 128,
-    }  # fmt: skip
+        "data": digits_dir,
+        "model": "resnet18",
+        "epochs": 2,
+        "base_lr": 0.4,
+        "warmup_epochs": 1.0,
+        "optimizer": "sgd",
+        "num_workers": 1,
+        "global_batch_size": 128,
+    }
 
 
 def test_all_trials_failed_writes_the_table_but_no_best(tmp_path):

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import run_cli_json
 from raytrain_mp.storage import join, locate
+
+from helpers import run_cli_json
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]
 
@@ -21,13 +22,18 @@ def test_sweep_writes_its_outputs_into_the_bucket_and_resumes_from_it(bucket, tm
     write_dataset(make_synthetic_source(200, 8, 4, 1, 0.2, 11), data)
     storage = join(bucket, "sweeps")
     result = run_cli_json(
-        "tune", "--no-use-gpu", "--data", str(data), "--global-batch-sizes", "32", "--base-lrs", "0.05,0.1", "--epochs", "1",
-        "--scheduler", "none", "--num-workers", "1", "--storage-path", storage, "--name", "lr", "--log-every", "0",
+        "tune", "--no-use-gpu", "--data", str(data), "--global-batch-sizes", "32", "--base-lrs", "0.05,0.1",
+        "--epochs", "1", "--scheduler", "none", "--num-workers", "1", "--storage-path", storage, "--name", "lr",
+        "--log-every", "0",
     )  # fmt: skip
     experiment = locate(storage, "--storage-path").child("lr")
     assert result["experiment"] == experiment.uri and result["trials"] == 2
-    for key, name in [("table_csv", "sweep_table.csv"), ("table_parquet", "sweep_table.parquet"),
-                      ("plot", "sweep_lr.png"), ("best_yaml", "best.yaml")]:  # fmt: skip
+    for key, name in [
+        ("table_csv", "sweep_table.csv"),
+        ("table_parquet", "sweep_table.parquet"),
+        ("plot", "sweep_lr.png"),
+        ("best_yaml", "best.yaml"),
+    ]:
         assert result[key] == experiment.child(name).uri and experiment.child(name).is_file(), key
     assert experiment.child("sweep.yaml").is_file()
     assert experiment.child("sweep_lr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

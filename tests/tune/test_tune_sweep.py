@@ -21,13 +21,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import assert_usage_error, run_cli, run_cli_json, session_cpus, session_gpus, write_digits_cut
 from raytrain_mp.cli import main
 from raytrain_mp.config import build_config
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.lr_schedule import scaled_lr
 from raytrain_mp.run_log import CURVES_FILE, read_rows
 from raytrain_mp.storage import locate
+
+from helpers import assert_usage_error, run_cli, run_cli_json, session_cpus, session_gpus, write_digits_cut
 from run_log_check import csv_as_events, read_events
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # real sweeps
@@ -140,7 +141,9 @@ def test_resume_finishes_without_rerunning_finished_trials(sweep):
 
 def test_sweep_table(sweep):
     rows = sweep["rows"]
-    assert sorted((r["global_batch_size"], r["base_lr"]) for r in rows) == sorted((b, lr) for b in BATCHES for lr in LRS)
+    assert sorted((r["global_batch_size"], r["base_lr"]) for r in rows) == sorted(
+        (b, lr) for b in BATCHES for lr in LRS
+    )
     for r in rows:
         assert r["effective_lr"] == scaled_lr(r["base_lr"], r["global_batch_size"], 256, "linear")
         assert r["world_size"] == 1 and r["lr_rule"] == "linear" and r["optimizer"] == "sgd"
@@ -175,8 +178,12 @@ def test_sweep_plot_and_best_yaml(sweep, small_digits):
     assert resumed["best"]["trial"] == best["trial"] and resumed["best"]["base_lr"] == best["base_lr"]
     cfg = build_config(DDPConfig, {"config": resumed["best_yaml"]})
     assert (cfg.base_lr, cfg.global_batch_size, cfg.epochs, cfg.num_workers, cfg.seed) == (
-        best["base_lr"], best["global_batch_size"], EPOCHS, 1, 1,
-    )  # fmt: skip
+        best["base_lr"],
+        best["global_batch_size"],
+        EPOCHS,
+        1,
+        1,
+    )
     # What the sweep chose and the user gave, not this machine: no use_gpu (the sweep's --no-use-gpu
     # is machine state), no storage.
     assert (cfg.data, cfg.name, cfg.use_gpu, cfg.storage_path) == (small_digits, None, None, DDPConfig.storage_path)
@@ -185,7 +192,16 @@ def test_sweep_plot_and_best_yaml(sweep, small_digits):
 def test_ddp_runs_the_best_yaml(sweep, tmp_path):
     resumed = sweep["resumed"]
     out = run_cli_json(
-        "ddp", "--config", resumed["best_yaml"], "--no-use-gpu", "--epochs", "1", "--storage-path", str(tmp_path), "--name", "best"
+        "ddp",
+        "--config",
+        resumed["best_yaml"],
+        "--no-use-gpu",
+        "--epochs",
+        "1",
+        "--storage-path",
+        str(tmp_path),
+        "--name",
+        "best",
     )
     assert out["global_batch_size"] == resumed["best"]["global_batch_size"] and out["epochs"] == 1
     assert out["world_size"] == 1 and out["val_count"] == 200
@@ -194,9 +210,22 @@ def test_ddp_runs_the_best_yaml(sweep, tmp_path):
 @pytest.mark.parametrize(
     "argv, fragments",
     [
-        (["--num-workers", "{cpus}", "--no-use-gpu"], ["--num-workers {cpus}: a trial needs {cpus+1} CPUs (1 for its driver + {cpus} x --cpus-per-worker 1)", "has {cpus}", "at most {cpus-1} workers"]),
-        (["--num-workers", "1", "--max-concurrent-trials", "{cpus//2+1}", "--no-use-gpu"], ["--max-concurrent-trials: {cpus//2+1} trials do not fit", "at most {cpus//2}"]),
-        (["--num-workers", "{gpus+1}", "--use-gpu"], ["--num-workers {gpus+1}: a trial needs {gpus+1} GPUs but the Ray cluster has {gpus}"]),
+        (
+            ["--num-workers", "{cpus}", "--no-use-gpu"],
+            [
+                "--num-workers {cpus}: a trial needs {cpus+1} CPUs (1 for its driver + {cpus} x --cpus-per-worker 1)",
+                "has {cpus}",
+                "at most {cpus-1} workers",
+            ],
+        ),
+        (
+            ["--num-workers", "1", "--max-concurrent-trials", "{cpus//2+1}", "--no-use-gpu"],
+            ["--max-concurrent-trials: {cpus//2+1} trials do not fit", "at most {cpus//2}"],
+        ),
+        (
+            ["--num-workers", "{gpus+1}", "--use-gpu"],
+            ["--num-workers {gpus+1}: a trial needs {gpus+1} GPUs but the Ray cluster has {gpus}"],
+        ),
     ],
     ids=["workers-over-cpus", "trials-over-cpus", "workers-over-gpus"],
 )
@@ -206,11 +235,21 @@ def test_trials_larger_than_the_cluster(ray_session, small_digits, tmp_path, cap
     # (helpers.session_cpus). The global batch divides among the workers, so the check under test
     # is the one that refuses.
     cpus, gpus = session_cpus(), session_gpus()
-    counts = {"cpus": cpus, "cpus+1": cpus + 1, "cpus-1": cpus - 1, "cpus//2": cpus // 2, "cpus//2+1": cpus // 2 + 1, "gpus": gpus, "gpus+1": gpus + 1}
+    counts = {
+        "cpus": cpus,
+        "cpus+1": cpus + 1,
+        "cpus-1": cpus - 1,
+        "cpus//2": cpus // 2,
+        "cpus//2+1": cpus // 2 + 1,
+        "gpus": gpus,
+        "gpus+1": gpus + 1,
+    }
     argv, fragments = ([text.format_map(counts) for text in texts] for texts in (argv, fragments))
     batch = 16 * int(argv[argv.index("--num-workers") + 1])
     runs = tmp_path / "runs"
-    res = run_cli(capsys, "tune", "--data", small_digits, "--storage-path", str(runs), "--global-batch-sizes", str(batch), *argv)
+    res = run_cli(
+        capsys, "tune", "--data", small_digits, "--storage-path", str(runs), "--global-batch-sizes", str(batch), *argv
+    )
     assert_usage_error(res, *fragments)
     assert not runs.exists()  # no trial started, nothing written
 
@@ -218,9 +257,9 @@ def test_trials_larger_than_the_cluster(ray_session, small_digits, tmp_path, cap
 def test_a_failed_trial_is_recorded(small_digits, tmp_path):
     marker = tmp_path / "crashed"
     code, out = run_cli_result(
-        "tune", "--no-use-gpu", "--data", small_digits, "--global-batch-sizes", "64", "--base-lrs", "0.1", "--epochs", "2",
-        "--scheduler", "none", "--num-workers", "1", "--storage-path", str(tmp_path), "--name", "fails",
-        "--log-every", "0", "--inject-fault", f"0:1:{marker}",
+        "tune", "--no-use-gpu", "--data", small_digits, "--global-batch-sizes", "64", "--base-lrs", "0.1",
+        "--epochs", "2", "--scheduler", "none", "--num-workers", "1", "--storage-path", str(tmp_path),
+        "--name", "fails", "--log-every", "0", "--inject-fault", f"0:1:{marker}",
     )  # fmt: skip
     assert code == 1 and marker.is_file()  # no trial succeeded: nothing to recommend
     assert out["trials_by_status"] == {"error": 1} and out["best"] is None and out["best_yaml"] is None

@@ -48,8 +48,8 @@ from raytrain_mp.bench.config import BenchPipelineConfig
 from raytrain_mp.bench.pipeline.hybrid import hybrid_runs, hybrid_seconds
 from raytrain_mp.bench.pipeline.layouts import layout_runs
 from raytrain_mp.bench.pipeline.native import native_runs, resnet_case, seeds_split_rounds
-from raytrain_mp.bench.pipeline.references import one_process
 from raytrain_mp.bench.pipeline.overhead import overhead_ratios, overhead_rounds, overhead_section
+from raytrain_mp.bench.pipeline.references import one_process
 from raytrain_mp.bench.pipeline.report import best_run, plot_bars, plot_m_curve, plot_overhead, summary
 from raytrain_mp.bench.pipeline.shared import (
     INTERLEAVED_VIRTUAL,
@@ -102,7 +102,14 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
         layouts["balanced"] = layout_runs(cfg, model, x, y, None, sorted(cfg.microbatches), schedules=("gpipe",))
     if cfg.interleaved:
         layouts["interleaved"] = layout_runs(
-            cfg, model, x, y, None, sorted(cfg.microbatches), schedules=("interleaved-1f1b",), virtual=INTERLEAVED_VIRTUAL
+            cfg,
+            model,
+            x,
+            y,
+            None,
+            sorted(cfg.microbatches),
+            schedules=("interleaved-1f1b",),
+            virtual=INTERLEAVED_VIRTUAL,
         )
 
     out = Path(cfg.out).expanduser()
@@ -113,7 +120,9 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     results: dict[str, Any] = {
         "benchmark": "pipeline",
         "machine": host,
-        "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", "address", "out", "verbose")},
+        "settings": {
+            k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", "address", "out", "verbose")
+        },
         "one_process": local,
         "layouts": layouts,
         **natives,
@@ -122,7 +131,9 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     if overhead is not None:
         results["overhead"] = overhead_section(cfg, *overhead)
         results["summary"]["overhead_native_over_ours"] = overhead_ratios(results["overhead"])
-        results["summary"]["overhead_native_over_ours_queued"] = overhead_ratios(results["overhead"], "native_over_ours_queued")
+        results["summary"]["overhead_native_over_ours_queued"] = overhead_ratios(
+            results["overhead"], "native_over_ours_queued"
+        )
         plots.append(out / "overhead.png")
         plot_overhead(plots[-1], cfg, results["overhead"])
     if hybrid is not None:

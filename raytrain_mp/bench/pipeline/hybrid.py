@@ -37,9 +37,18 @@ def hybrid_runs(cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor
     for replicas, stages in hybrid_layouts(cfg.hybrid_workers):
         m = total // replicas
         with PipelineTrainer(
-            model, stages, balance="params", num_replicas=replicas, num_microbatches=m, lr=LR, momentum=MOMENTUM,
-            weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage, use_gpu=cfg.use_gpu, memory_format=cfg.memory_format,
-        ) as trainer:  # fmt: skip
+            model,
+            stages,
+            balance="params",
+            num_replicas=replicas,
+            num_microbatches=m,
+            lr=LR,
+            momentum=MOMENTUM,
+            weight_decay=0.0,
+            cpus_per_stage=cfg.cpus_per_stage,
+            use_gpu=cfg.use_gpu,
+            memory_format=cfg.memory_format,
+        ) as trainer:
             sweep = Sweep(f"hybrid R={replicas} x S={stages} ", "s", ("gpipe",), (m,), cfg.warmup, cfg.steps)
             (run,), _ = sweep_runs(trainer, x, y, sweep)
             nodes = len(set(trainer.nodes))

@@ -89,17 +89,33 @@ def layout_runs(
     partition: dict[str, Any] = (
         {"split_points": list(split_points)}
         if split_points is not None
-        else {"balance": "time", "sample_input": x, "num_microbatches": cfg.balance_microbatches, "balance_trials": cfg.balance_trials}
+        else {
+            "balance": "time",
+            "sample_input": x,
+            "num_microbatches": cfg.balance_microbatches,
+            "balance_trials": cfg.balance_trials,
+        }
     )
     with PipelineTrainer(
-        model, cfg.stages, lr=LR, momentum=MOMENTUM, weight_decay=0.0, cpus_per_stage=cfg.cpus_per_stage,
-        use_gpu=cfg.use_gpu, schedule=schedules[0], virtual_stages=virtual, memory_format=cfg.memory_format, **partition,
-    ) as trainer:  # fmt: skip
+        model,
+        cfg.stages,
+        lr=LR,
+        momentum=MOMENTUM,
+        weight_decay=0.0,
+        cpus_per_stage=cfg.cpus_per_stage,
+        use_gpu=cfg.use_gpu,
+        schedule=schedules[0],
+        virtual_stages=virtual,
+        memory_format=cfg.memory_format,
+        **partition,
+    ) as trainer:
         plan = [dataclasses.asdict(stage) for stage in trainer.plan]
         for trial in trainer.balance_trials:
             print(f"balance trial: {describe_trial(trial)}", flush=True)
         print("stages: " + " | ".join(f"{p['blocks'][0]}..{p['blocks'][-1]}" for p in plan), flush=True)
-        runs, skipped = sweep_runs(trainer, x, y, Sweep("", "s", tuple(schedules), tuple(microbatches), cfg.warmup, cfg.steps))
+        runs, skipped = sweep_runs(
+            trainer, x, y, Sweep("", "s", tuple(schedules), tuple(microbatches), cfg.warmup, cfg.steps)
+        )
     # Activation memory is measured after the timed runs, so it never competes with them for CPUs.
     stages = stage_modules(model, [stage["blocks"] for stage in plan])
     per_microbatch: dict[int, list[int]] = {}  # m -> bytes per stage of micro-batch 0, the largest

@@ -40,16 +40,32 @@ def resnet_case(
     its seeded setup function, the stages' block names of ``plan`` and the sweep with its timing;
     given ``ours``' runs, the layout each of our stages computed in at each point (``layouts``,
     keyed "schedule m"), for the ranks to compute in too."""
-    sweep = Sweep("in our layouts, " if ours is not None else "", "s", ("gpipe", "1f1b"), tuple(sorted(cfg.microbatches)), cfg.warmup, cfg.steps)
-    layouts = {} if ours is None else {"layouts": {f"{run['schedule']} {run['microbatches']}": run["memory_formats"] for run in ours}}
+    sweep = Sweep(
+        "in our layouts, " if ours is not None else "",
+        "s",
+        ("gpipe", "1f1b"),
+        tuple(sorted(cfg.microbatches)),
+        cfg.warmup,
+        cfg.steps,
+    )
+    layouts = (
+        {}
+        if ours is None
+        else {"layouts": {f"{run['schedule']} {run['microbatches']}": run["memory_formats"] for run in ours}}
+    )
     return {
         "setup": "seeded_setup",
-        "arguments": {"model_name": cfg.model, "num_classes": cfg.num_classes, "image_size": cfg.image_size,
-                      "batch_size": cfg.global_batch_size, "seed": cfg.seed},
+        "arguments": {
+            "model_name": cfg.model,
+            "num_classes": cfg.num_classes,
+            "image_size": cfg.image_size,
+            "batch_size": cfg.global_batch_size,
+            "seed": cfg.seed,
+        },
         "chunk_blocks": {"1": [list(stage["blocks"]) for stage in plan]},
         **layouts,
         **dataclasses.asdict(sweep),
-    }  # fmt: skip
+    }
 
 
 def native_runs(

@@ -67,7 +67,15 @@ def mlp_layers(cfg: BenchPipelineConfig) -> int:
 def overhead_sweep(cfg: BenchPipelineConfig) -> Sweep:
     """The overhead case's points, the same for ours and native: every schedule x every m (sorted)."""
     microbatches = tuple(sorted(set(cfg.overhead_microbatches)))
-    return Sweep("overhead ", "ms", cfg.overhead_schedules, microbatches, OVERHEAD_WARMUP, cfg.overhead_steps, cfg.overhead_steps_per_call)
+    return Sweep(
+        "overhead ",
+        "ms",
+        cfg.overhead_schedules,
+        microbatches,
+        OVERHEAD_WARMUP,
+        cfg.overhead_steps,
+        cfg.overhead_steps_per_call,
+    )
 
 
 def overhead_runs(cfg: BenchPipelineConfig) -> dict[str, Any]:
@@ -80,15 +88,32 @@ def overhead_runs(cfg: BenchPipelineConfig) -> dict[str, Any]:
         schedules = tuple(s for s in cfg.overhead_schedules if virtual_stages(s) == virtual)
         points, _ = even_cut(model, cfg.stages * virtual)
         trainer = PipelineTrainer(
-            model, num_stages=cfg.stages, split_points=points, schedule=schedules[0], num_microbatches=max(cfg.overhead_microbatches),
-            optimizer="sgd", lr=LR, momentum=MOMENTUM, weight_decay=0.0, use_gpu=cfg.use_gpu, cpus_per_stage=cfg.cpus_per_stage,
+            model,
+            num_stages=cfg.stages,
+            split_points=points,
+            schedule=schedules[0],
+            num_microbatches=max(cfg.overhead_microbatches),
+            optimizer="sgd",
+            lr=LR,
+            momentum=MOMENTUM,
+            weight_decay=0.0,
+            use_gpu=cfg.use_gpu,
+            cpus_per_stage=cfg.cpus_per_stage,
             virtual_stages=virtual,
-        )  # fmt: skip
+        )
         layouts.append(
-            {"virtual_stages": virtual, "split_points": points, "schedules": list(schedules), "stage_niceness": trainer.niceness}
+            {
+                "virtual_stages": virtual,
+                "split_points": points,
+                "schedules": list(schedules),
+                "stage_niceness": trainer.niceness,
+            }
         )
         try:
-            print(f"overhead case: {len(points) + 1}-chunk MLP on {cfg.stages} stages, cut before {', '.join(points)}", flush=True)
+            print(
+                f"overhead case: {len(points) + 1}-chunk MLP on {cfg.stages} stages, cut before {', '.join(points)}",
+                flush=True,
+            )
             done, refused = sweep_runs(trainer, x, y, dataclasses.replace(overhead_sweep(cfg), schedules=schedules))
         finally:
             trainer.shutdown()
@@ -156,12 +181,17 @@ def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dic
             # round by round: how far the pooled ratio could move with the machine's drift
             entry["native_over_ours_queued_by_round"] = [
                 theirs / queued
-                for theirs, queued in zip(peer["round_medians"][back_to_back], run["round_medians"]["queued_step_seconds"])
+                for theirs, queued in zip(
+                    peer["round_medians"][back_to_back], run["round_medians"]["queued_step_seconds"]
+                )
             ]
         runs.append(entry)
     layers = mlp_layers(cfg)
     return {
-        "model": f"MLP {MLP_FEATURES}-{'-'.join([str(MLP_HIDDEN)] * (layers - 1))}-{MLP_CLASSES}, ReLU, {layers} Linear layers",
+        "model": (
+            f"MLP {MLP_FEATURES}-{'-'.join([str(MLP_HIDDEN)] * (layers - 1))}-{MLP_CLASSES}, "
+            f"ReLU, {layers} Linear layers"
+        ),
         "batch_size": cfg.overhead_batch_size,
         "stages": cfg.stages,
         "warmup": OVERHEAD_WARMUP,
@@ -170,7 +200,11 @@ def overhead_section(cfg: BenchPipelineConfig, ours: dict[str, Any], native: dic
         "rounds": cfg.overhead_rounds,
         "layouts": ours["layouts"],
         "runs": runs,
-        "skipped": [{"side": side, **skip} for side, figures in (("ours", ours), ("native", native)) for skip in figures["skipped"]],
+        "skipped": [
+            {"side": side, **skip}
+            for side, figures in (("ours", ours), ("native", native))
+            for skip in figures["skipped"]
+        ],
         "native": {key: native[key] for key in ("api", "launcher", "backend", "device", "world", "threads")},
     }
 

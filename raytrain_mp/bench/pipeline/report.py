@@ -43,13 +43,17 @@ def ratios_to_native(fixed: dict[str, Any], native: dict[str, Any]) -> dict[str,
         for figure in ("step_seconds", "queued_step_seconds"):
             ratios[figure].setdefault(run["schedule"], {})[m] = native_seconds / ours[figure]["median"]
         ratios["by_round"].setdefault(run["schedule"], {})[m] = [
-            theirs / own for theirs, own in zip(run["round_medians"]["step_seconds"], ours["round_medians"]["step_seconds"])
+            theirs / own
+            for theirs, own in zip(run["round_medians"]["step_seconds"], ours["round_medians"]["step_seconds"])
         ]
     return ratios
 
 
 def summary(
-    local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: dict[str, Any], native_ours_layouts: dict[str, Any] | None = None
+    local: dict[str, Any],
+    layouts: dict[str, dict[str, Any]],
+    native: dict[str, Any],
+    native_ours_layouts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The headline ratios of issue 6's goals (higher is better for every ``*_speedup``), and ours
     against the native peer: ``ours_over_native[schedule][m]`` = native / ours step seconds, on
@@ -71,7 +75,9 @@ def summary(
     result["ours_over_native_by_round"] = over["by_round"]  # how far the pooled ratio moves with the machine's drift
     if native_ours_layouts is not None:
         # the same stages in the same layouts on both sides: the runtimes alone
-        result["ours_over_native_ours_layouts"] = ratios_to_native(layouts["fixed"], native_ours_layouts)["step_seconds"]
+        result["ours_over_native_ours_layouts"] = ratios_to_native(layouts["fixed"], native_ours_layouts)[
+            "step_seconds"
+        ]
     _, native_best = best_run({"native": native})
     result["best_native"] = {"schedule": native_best["schedule"], "microbatches": native_best["microbatches"]}
     result["best_native_seconds"] = native_best["step_seconds"]["median"]
@@ -87,21 +93,30 @@ def summary(
         at8 = find_run(layouts["balanced"], "gpipe", 8)
         if at8 is not None:
             result["balanced_gpipe_m8_bubble_gap"] = abs(at8["bubble_fraction"]["median"] - at8["bubble_formula"])
-            result["balanced_gpipe_m8_queued_bubble_gap"] = abs(at8["queued_bubble_fraction"]["median"] - at8["bubble_formula"])
+            result["balanced_gpipe_m8_queued_bubble_gap"] = abs(
+                at8["queued_bubble_fraction"]["median"] - at8["bubble_formula"]
+            )
             # what the runtime adds beyond the stages' own imbalance
-            result["balanced_gpipe_m8_bubble_over_stage_times"] = at8["bubble_fraction"]["median"] - at8["bubble_for_stage_times"]
+            result["balanced_gpipe_m8_bubble_over_stage_times"] = (
+                at8["bubble_fraction"]["median"] - at8["bubble_for_stage_times"]
+            )
     if "interleaved" in layouts:
         at8 = find_run(layouts["interleaved"], "interleaved-1f1b", 8)
         if at8 is not None:
             result["interleaved_1f1b_m8_bubble"] = {
-                "measured": at8["bubble_fraction"]["median"], "measured_queued": at8["queued_bubble_fraction"]["median"],
+                "measured": at8["bubble_fraction"]["median"],
+                "measured_queued": at8["queued_bubble_fraction"]["median"],
                 "formula": at8["bubble_formula"],
-            }  # fmt: skip
+            }
     return result
 
 
 def plot_bars(
-    path: Path, local: dict[str, Any], layouts: dict[str, dict[str, Any]], best: tuple[str, dict[str, Any]], native: dict[str, Any]
+    path: Path,
+    local: dict[str, Any],
+    layouts: dict[str, dict[str, Any]],
+    best: tuple[str, dict[str, Any]],
+    native: dict[str, Any],
 ) -> None:
     """One process / model parallel / pipelined / native pipelined, as the seeds' mp_vs_rn_vs_pp.png."""
     labels = [f"one process\n{local['threads']} threads"]
@@ -121,11 +136,17 @@ def plot_bars(
     _, run = best_run({"native": native})
     labels.append(f"torch pipelining (best)\n{native['split']} {run['schedule']} m={run['microbatches']}")
     figures.append(run["step_seconds"])
-    bar_chart(path, labels, figures, "seconds per training step", "Step time, median of timed steps (whiskers: min-max)")
+    bar_chart(
+        path, labels, figures, "seconds per training step", "Step time, median of timed steps (whiskers: min-max)"
+    )
 
 
 def plot_m_curve(
-    path: Path, cfg: BenchPipelineConfig, local: dict[str, Any], layouts: dict[str, dict[str, Any]], native: dict[str, Any],
+    path: Path,
+    cfg: BenchPipelineConfig,
+    local: dict[str, Any],
+    layouts: dict[str, dict[str, Any]],
+    native: dict[str, Any],
     native_ours_layouts: dict[str, Any] | None = None,
 ) -> None:
     """Step time against m for every variant: the seeds' split-size curve; native ones dashed
@@ -137,9 +158,15 @@ def plot_m_curve(
     curves = {"one process, grad accum": (points([local["whole_batch"], *local["grad_accum"]]), "-")}
     for name, layout in layouts.items():
         for schedule in dict.fromkeys(r["schedule"] for r in layout["runs"]):
-            curves[f"{schedule}, {name} split"] = (points([r for r in layout["runs"] if r["schedule"] == schedule]), "-")
+            curves[f"{schedule}, {name} split"] = (
+                points([r for r in layout["runs"] if r["schedule"] == schedule]),
+                "-",
+            )
     for schedule in ("gpipe", "1f1b"):
-        curves[f"torch {schedule}, {native['split']} split"] = (points([r for r in native["runs"] if r["schedule"] == schedule]), "--")
+        curves[f"torch {schedule}, {native['split']} split"] = (
+            points([r for r in native["runs"] if r["schedule"] == schedule]),
+            "--",
+        )
         if native_ours_layouts is not None:
             runs = [r for r in native_ours_layouts["runs"] if r["schedule"] == schedule]
             curves[f"torch {schedule}, {native['split']} split, our layouts"] = (points(runs), ":")
@@ -156,7 +183,15 @@ def plot_overhead(path: Path, cfg: BenchPipelineConfig, overhead: dict[str, Any]
         curves[f"ours {schedule}, steps queued"] = ([(r["microbatches"], r["ours_queued_ms"]) for r in runs], ":")
         curves[f"torch {schedule}"] = ([(r["microbatches"], r["native_ms"]) for r in runs if "native_ms" in r], "--")
         curves[f"torch {schedule}, steps back to back"] = (
-            [(r["microbatches"], r["native_queued_ms"]) for r in runs if "native_queued_ms" in r], "-."
+            [(r["microbatches"], r["native_queued_ms"]) for r in runs if "native_queued_ms" in r],
+            "-.",
         )
     title = f"overhead case: {overhead['model']}, batch {cfg.overhead_batch_size}, {cfg.stages} stages"
-    curve_chart(path, curves, overhead_sweep(cfg).microbatches, "micro-batches per step (m)", "milliseconds per training step", title)
+    curve_chart(
+        path,
+        curves,
+        overhead_sweep(cfg).microbatches,
+        "micro-batches per step (m)",
+        "milliseconds per training step",
+        title,
+    )

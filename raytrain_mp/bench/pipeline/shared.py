@@ -51,7 +51,9 @@ class Sweep:
     steps_per_call: int = 1  # of the queued measurement (the run loop's --steps-per-call)
 
 
-def seeded_setup(model_name: str, num_classes: int, image_size: int, batch_size: int, seed: int) -> tuple[nn.Module, Tensor, Tensor]:
+def seeded_setup(
+    model_name: str, num_classes: int, image_size: int, batch_size: int, seed: int
+) -> tuple[nn.Module, Tensor, Tensor]:
     """The model and random batch (inputs, labels) every variant starts from; the native ranks
     call it with the same arguments, so they get the same weights and batch."""
     torch.manual_seed(seed)
@@ -122,8 +124,12 @@ def pooled(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
     for same in zip(*rounds, strict=True):
         samples = {figure: [value for run in same for value in run["samples"][figure]] for figure in same[0]["samples"]}
         first = {key: value for key, value in same[0].items() if key not in samples}
-        runs.append({
-            **first, **{figure: summarize(values) for figure, values in samples.items()}, "samples": samples,
-            "round_medians": {figure: [run[figure]["median"] for run in same] for figure in samples},
-        })  # fmt: skip
+        runs.append(
+            {
+                **first,
+                **{figure: summarize(values) for figure, values in samples.items()},
+                "samples": samples,
+                "round_medians": {figure: [run[figure]["median"] for run in same] for figure in samples},
+            }
+        )
     return runs

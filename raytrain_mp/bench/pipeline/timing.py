@@ -45,7 +45,9 @@ def queued_steps(trainer: PipelineTrainer, x: Tensor, y: Tensor, sweep: Sweep) -
     warmup = max(1, -(-sweep.warmup // per_call))
     calls = warmup + -(-sweep.steps // per_call)
     ends, bubbles = [], []
-    for i, _ in enumerate(trainer.train_steps(((x, y, None) for _ in range(calls * per_call)), steps_per_call=per_call)):
+    for i, _ in enumerate(
+        trainer.train_steps(((x, y, None) for _ in range(calls * per_call)), steps_per_call=per_call)
+    ):
         if i % per_call == 0:  # a call's steps arrive together: its first marks its end
             ends.append(time.perf_counter())
         if i % per_call == per_call - 1:
@@ -66,9 +68,11 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
 
     seconds = timed(step, sweep.warmup, sweep.steps)
     progress(f"{sweep.label}{schedule} m={m}", summarize(seconds), sweep.unit)
-    measured = per_step[sweep.warmup:]
+    measured = per_step[sweep.warmup :]
     queued, queued_bubbles = queued_steps(trainer, x, y, sweep)
-    progress(f"{sweep.label}{schedule} m={m}, {sweep.steps_per_call} step(s) a call, queued", summarize(queued), sweep.unit)
+    progress(
+        f"{sweep.label}{schedule} m={m}, {sweep.steps_per_call} step(s) a call, queued", summarize(queued), sweep.unit
+    )
     busy = [summarize(per_stage) for per_stage in zip(*(s["busy_seconds"] for s in measured))]
     forward_busy = [summarize(per_stage) for per_stage in zip(*(s["forward_busy_seconds"] for s in measured))]
     samples = {
@@ -98,7 +102,9 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
     return run
 
 
-def sweep_runs(trainer: PipelineTrainer, x: Tensor, y: Tensor, sweep: Sweep) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def sweep_runs(
+    trainer: PipelineTrainer, x: Tensor, y: Tensor, sweep: Sweep
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(runs, skipped): every (schedule, m) of ``sweep`` on the trainer's running stages, but those
     the schedule refuses (1F1B with m < stages), listed with the reason."""
     runs, skipped = [], []
