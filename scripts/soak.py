@@ -1,6 +1,6 @@
 """Soak: SIGKILLs from outside at seeded random moments of a run, as spot instances and operators deal them.
 
-Three trials, each in float64 with a checkpoint every 2 steps and ``--max-failures 100``, on a
+Three trials, each in float64 with a checkpoint every 2 steps and ``--max-failures -1`` (unlimited), on a
 tiny synthetic data set, against the same run left alone:
 
 - ``ddp``: Ray Train workers (``ray::RayTrainWorker``) killed at random moments (half of them
@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from killer import Killer  # noqa: E402  (tests/killer.py: the kills from outside, shared with the suite)
-
 from raytrain_mp.cli import main as cli_main  # noqa: E402
+
+from killer import Killer  # noqa: E402  (tests/killer.py: the kills from outside, shared with the suite)
 
 TOLERANCE = 1e-9
 STEP_CHECKPOINTS = ["--checkpoint-every-steps", "2"]
@@ -73,8 +73,9 @@ def prepare_data(out: Path) -> str:
 
 
 def argv(command: str, data: str, storage: str, name: str, epochs: int) -> list[str]:
-    common = ["--no-use-gpu", "--data", data, "--precision", "fp64", "--global-batch-size", "32", "--epochs", str(epochs),
-              "--storage-path", storage, "--name", name, "--log-every", "0", "--seed", "7"]  # fmt: skip
+    common = ["--no-use-gpu", "--data", data, "--precision", "fp64", "--global-batch-size", "32",
+              "--epochs", str(epochs), "--storage-path", storage, "--name", name, "--log-every", "0",
+              "--seed", "7"]  # fmt: skip
     if command == "ddp":
         return ["ddp", *common, "--num-workers", "2"]
     return ["pipeline", *common, "--stages", "2", "--microbatches", "4", "--schedule", "1f1b", "--balance", "params"]
@@ -110,10 +111,14 @@ def soak_trainer(command: str, data: str, storage: str, seed: int, faults: int, 
     victims = "ray::RayTrainWorker" if command == "ddp" else "ray::StageWorker"
     with Killer(victims) as workers, Killer("ray::Board") as board:
         soaked = Path(storage) / "soaked"
-        workers.start(lambda: workers.kill_at_random(seed, faults, gap_s=(0.5, 3.0), rebuild_every=2, checkpoints=soaked))
+        workers.start(
+            lambda: workers.kill_at_random(seed, faults, gap_s=(0.5, 3.0), rebuild_every=2, checkpoints=soaked)
+        )
         if command == "ddp":
             board.start(lambda: board.kill_at_random(seed + 1, 1, gap_s=(3.0, 10.0)))
-        code, output, result = run(*argv(command, data, storage, "soaked", epochs), "--max-failures", "100", *STEP_CHECKPOINTS)
+        code, output, result = run(
+            *argv(command, data, storage, "soaked", epochs), "--max-failures", "-1", *STEP_CHECKPOINTS
+        )
     kills = workers.kills + board.kills
     return Trial(command, code, kills, model_diff(plain, result), output[-3000:])
 
@@ -141,8 +146,12 @@ def soak(data: str, storage: str, seed: int, faults: int, epochs: int) -> list[T
     """The three trials on the connected Ray (the driver trial joins it by its address)."""
     import ray
 
-    plains = {command: reference(command, data, str(Path(storage) / command), epochs) for command in ("ddp", "pipeline")}
-    trials = [soak_trainer(c, data, str(Path(storage) / c), seed, faults, epochs, plains[c]) for c in ("ddp", "pipeline")]
+    plains = {
+        command: reference(command, data, str(Path(storage) / command), epochs) for command in ("ddp", "pipeline")
+    }
+    trials = [
+        soak_trainer(c, data, str(Path(storage) / c), seed, faults, epochs, plains[c]) for c in ("ddp", "pipeline")
+    ]
     address = ray.get_runtime_context().gcs_address
     trials.append(soak_driver(data, str(Path(storage) / "pipeline"), seed, epochs, plains["pipeline"], address))
     return trials
@@ -161,7 +170,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--faults", type=int, default=10, help="random kills per trainer (plus those during restarts)")
     parser.add_argument("--seed", type=int, default=48)
-    parser.add_argument("--epochs", type=int, default=6, help="epochs of 5 steps (3 checkpoints each): enough to outlast the faults")
+    parser.add_argument(
+        "--epochs", type=int, default=6, help="epochs of 5 steps (3 checkpoints each): enough to outlast the faults"
+    )
     parser.add_argument("--out", default=None, help="where soak.json goes (and the runs, under runs/)")
     args = parser.parse_args()
     import ray
@@ -175,8 +186,14 @@ def main() -> int:
     finally:
         ray.shutdown()
     line = summary(trials)
-    report = {"seed": args.seed, "faults": args.faults, "epochs": args.epochs, "seconds": round(time.monotonic() - started),
-              "trials": [{**asdict(t), "passed": t.passed} for t in trials], "summary": line}  # fmt: skip
+    report = {
+        "seed": args.seed,
+        "faults": args.faults,
+        "epochs": args.epochs,
+        "seconds": round(time.monotonic() - started),
+        "trials": [{**asdict(t), "passed": t.passed} for t in trials],
+        "summary": line,
+    }
     (out / "soak.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(line)
     print(f"soak: {report['seconds']} s; details in {out / 'soak.json'}")
