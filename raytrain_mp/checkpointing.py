@@ -45,6 +45,7 @@ from raytrain_mp.storage import (
     delete_folder,
     download_folder,
     is_complete,
+    make_ordinary,
     name_of,
     publish_folder,
 )
@@ -111,6 +112,7 @@ def write_checkpoint(model_state: dict, train_state: dict, config_yaml: str, par
     torch.save(model_state, folder / MODEL_FILE)
     torch.save(train_state, folder / STATE_FILE)
     (folder / CONFIG_FILE).write_text(config_yaml)
+    make_ordinary(folder)  # readable as the user's files are, wherever Ray Train or we move it
     return folder
 
 

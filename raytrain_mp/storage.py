@@ -17,6 +17,11 @@ Invariants:
   the upload is never picked (``latest_complete``).
 - A bad location is one ``UsageError`` naming the option: an unknown scheme, a URI without a
   bucket, a store that refuses the request.
+- Every local file and folder the tool writes (a run folder, a checkpoint, an evaluation, an
+  export, a data set, a benchmark) gets the mode the user's umask gives an ordinary one
+  (``ordinary_mode``: 0644 and 0755 under umask 022), also where it was written under a temporary
+  name (``tempfile`` makes those 0600 and 0700, private) and renamed into place (``write_local``,
+  ``local_replacement``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,63 @@ from raytrain_mp.errors import UsageError
 from raytrain_mp.interruption import uninterrupted
 
 COMPLETE_MARKER = ".complete"
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where the kernel says it (Linux >= 4.7)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere the only way to read it is to set it, and set it back
+    os.umask(mask)
+    return mask
+
+
+def ordinary_mode(folder: bool = False) -> int:
+    """The mode ``open()`` or ``mkdir`` would give a new file (folder): 0o666 (0o777) less the umask."""
+    return (0o777 if folder else 0o666) & ~umask()
+
+
+def make_ordinary(path: str | Path) -> None:
+    """Give ``path`` (a file, or a folder and everything in it) the ordinary mode (see the module doc):
+    for what ``tempfile`` made private before it is renamed into place."""
+    path = Path(path)
+    if path.is_dir():
+        for folder, _, files in os.walk(path):
+            os.chmod(folder, ordinary_mode(folder=True))
+            for name in files:
+                os.chmod(os.path.join(folder, name), ordinary_mode())
+    else:
+        os.chmod(path, ordinary_mode())
+
+
+@contextmanager
+def local_replacement(path: str | Path, suffix: str = "") -> Iterator[Path]:
+    """A temporary file beside the local file ``path`` to write ``path``'s new content into (its
+    folder is made): when the block ends, the file gets the ordinary mode and replaces ``path`` at
+    once (a rename); when it raises, the file is removed and ``path`` stays as it was. ``suffix``
+    for writers that pick a format by the file's name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        make_ordinary(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_local(path: str | Path, data: bytes) -> None:
+    """Write the local file ``path`` whole (``local_replacement``): never seen half-written."""
+    with local_replacement(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def is_uri(location: str) -> bool:
@@ -90,11 +153,7 @@ class Location:
         whole also under Ctrl-C (``interruption.uninterrupted``)."""
         with uninterrupted():
             if self.is_local:
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=Path(self.path).parent)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, self.path)
+                write_local(self.path, data)
                 return
             with self.fs.open_output_stream(self.path) as f:
                 f.write(data)
@@ -183,6 +242,7 @@ def publish_folder(local: Path, target: Location, last: str | None = None) -> No
     last. ``local`` is consumed."""
     if target.is_local:
         Path(target.path).parent.mkdir(parents=True, exist_ok=True)
+        make_ordinary(local)  # a tempfile.mkdtemp folder is private
         os.replace(local, target.path)
         return
     target.fs.create_dir(target.path, recursive=True)

@@ -259,3 +259,16 @@ def tiny_run(root: Path, command: str, *argv: str, train: int, val: int) -> dict
     result = run_cli_json(command, "--data", data, "--epochs", "1", "--global-batch-size", "32", "--no-use-gpu",
                           "--storage-path", str(root / "runs"), *argv)  # fmt: skip
     return {**result, "data": data, "root": root}
+
+
+def assert_ordinary_modes(*paths: str | Path) -> None:
+    """Every file and folder at or under ``paths`` has the mode the umask gives an ordinary one
+    (0644 and 0755 under umask 022): others can read what the tool wrote, as they can a ``cp``."""
+    from raytrain_mp.storage import ordinary_mode
+
+    modes = {}
+    for path in map(Path, paths):
+        for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+            modes[str(item)] = oct(item.stat().st_mode & 0o777)
+    expected = {item: oct(ordinary_mode(folder=Path(item).is_dir())) for item in modes}
+    assert modes == expected

@@ -18,9 +18,12 @@ from raytrain_mp.storage import (
     is_complete,
     join,
     latest_complete,
+    local_replacement,
     locate,
     name_of,
     publish_folder,
+    umask,
+    write_local,
 )
 
 
@@ -32,6 +35,37 @@ def test_join_keeps_the_query_at_the_end():
     )
     assert name_of(join(uri, "r1", "checkpoint_000002")) == "checkpoint_000002"
     assert join("/tmp/runs/", "r1") == "/tmp/runs/r1"
+
+
+@pytest.fixture
+def umask_022():
+    saved = os.umask(0o022)
+    yield
+    os.umask(saved)
+
+
+def test_written_files_get_the_mode_the_umask_gives_and_replace_atomically(umask_022, tmp_path):
+    assert umask() == 0o022
+    target = tmp_path / "new" / "metrics.csv"
+    write_local(target, b"a")
+    locate(str(tmp_path / "loc.csv"), "--out").write_bytes(b"b")
+    with pytest.raises(ValueError), local_replacement(target) as tmp:
+        tmp.write_bytes(b"torn")
+        raise ValueError("the writer failed")
+    assert target.read_bytes() == b"a" and os.listdir(target.parent) == ["metrics.csv"]  # no temporary left
+    assert oct(target.stat().st_mode & 0o777) == oct((tmp_path / "loc.csv").stat().st_mode & 0o777) == "0o644"
+    local = tmp_path / "private"
+    (local / "sub").mkdir(parents=True)
+    (local / "sub" / "model.pt").write_bytes(b"model")
+    os.chmod(local, 0o700)
+    os.chmod(local / "sub" / "model.pt", 0o600)
+    publish_folder(local, locate(str(tmp_path / "published"), "--storage-path"))
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "published").rglob("*")}
+    assert modes == {"sub": "0o755", "model.pt": "0o644"}
+    assert oct((tmp_path / "published").stat().st_mode & 0o777) == "0o755"
+    os.umask(0o077)
+    write_local(target, b"c")
+    assert umask() == 0o077 and oct(target.stat().st_mode & 0o777) == "0o600"  # the user's umask decides
 
 
 def local_checkpoint(tmp_path, name: str):

@@ -33,7 +33,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from raytrain_mp.plots import pyplot
+from raytrain_mp.plots import png_bytes, pyplot
+from raytrain_mp.storage import write_local
 
 T = TypeVar("T")
 
@@ -81,9 +82,7 @@ def write_results(out: str | Path, results: dict[str, Any]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     results["machine"]["load_average_end"] = list(os.getloadavg())
     path = folder / "results.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(path)
+    write_local(path, (json.dumps(results, indent=2) + "\n").encode())
     return path
 
 
@@ -179,6 +178,4 @@ def _save(fig: Any, ax: Any, path: Path, ylabel: str, title: str) -> None:
     """Label the y axis, title the chart, write it as a PNG and free the figure."""
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    pyplot().close(fig)
+    write_local(path, png_bytes(fig, dpi=120))

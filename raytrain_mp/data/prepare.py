@@ -8,7 +8,6 @@ the stored pixels or, for encoded files, of the pixels the loader decodes (both 
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -30,7 +29,15 @@ from raytrain_mp.data.sources import (
     make_synthetic_source,
 )
 from raytrain_mp.errors import UsageError
-from raytrain_mp.storage import Location, check_reachable, delete_folder, is_uri, locate, publish_folder
+from raytrain_mp.storage import (
+    Location,
+    check_reachable,
+    delete_folder,
+    is_uri,
+    locate,
+    make_ordinary,
+    publish_folder,
+)
 
 ENCODED_SIZE = 224  # the ImageNet recipe's crop, when --encoded comes without --image-size
 
@@ -129,7 +136,7 @@ def write_dataset(
             },
         )
         (tmp / META_FILE).write_text(meta.to_json())
-        os.chmod(tmp, 0o755)
+        make_ordinary(tmp)  # tempfile.mkdtemp made it private
         if out.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             out.rename(trash / "old")

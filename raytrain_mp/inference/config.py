@@ -41,7 +41,12 @@ class EvalConfig:
     )
     use_gpu: bool | None = option(None, "one GPU per worker (default: when the cluster has one for each worker)")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
-    out: str = option("eval", "local folder for eval.json, confusion.png (class names on the axes) and predictions.csv")
+    out: str | None = option(
+        None,
+        "local folder for eval.json, confusion.png (class names on the axes) and predictions.csv (default: a new "
+        "folder eval/SPLIT-TIME in the checkpoint's run folder; for a run in an object store or one you cannot "
+        "write, eval/RUN/SPLIT-TIME in the working directory)",
+    )
     verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
     json: bool = False
 
@@ -49,8 +54,9 @@ class EvalConfig:
         check(bool(self.checkpoint), "checkpoint", "required: a run folder, a checkpoint folder, or a URI of either")
         check_choice(self, "split")
         check(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
-        check_local("out", self.out, "a local folder")
-        check_writable("out", self.out)
+        if self.out is not None:
+            check_local("out", self.out, "a local folder")
+            check_writable("out", self.out)
 
 
 @dataclasses.dataclass

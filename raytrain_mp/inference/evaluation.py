@@ -29,6 +29,7 @@ from ray.train import LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from torch import nn
 
+from raytrain_mp.checkpointing import CHECKPOINT_PREFIX
 from raytrain_mp.cluster import check_fits, resolve_use_gpu, train_log_level
 from raytrain_mp.config import absolute_path
 from raytrain_mp.data import ParquetImageDataset, read_meta
@@ -39,7 +40,8 @@ from raytrain_mp.ddp.loop import autocast_for
 from raytrain_mp.errors import UsageError
 from raytrain_mp.inference.checkpoint import TrainedRun, check_data_fits, load_run
 from raytrain_mp.inference.config import EvalConfig
-from raytrain_mp.inference.report import write_eval_outputs
+from raytrain_mp.inference.report import default_out, write_eval_outputs
+from raytrain_mp.storage import name_of
 
 BATCH = 64  # the trainers' validation batch (ddp: max(micro-batch, 64)): the same sums, in the same order per rank
 TOP_K = 5
@@ -79,7 +81,9 @@ def with_checked_inputs(cfg: EvalConfig) -> EvalConfig:
     if cfg.split not in meta.shards:
         raise UsageError(f"--split: {data} has no {cfg.split!r} split; it has {', '.join(sorted(meta.shards))}")
     ParquetImageDataset(data, cfg.split, meta=meta)  # every shard of the split readable, labels in range
-    return dataclasses.replace(cfg, checkpoint=run.checkpoint, data=absolute_path(data), out=absolute_path(cfg.out))
+    in_run = name_of(run.checkpoint).startswith(CHECKPOINT_PREFIX)
+    out = absolute_path(cfg.out) if cfg.out else default_out(run.checkpoint, cfg.split, in_run)
+    return dataclasses.replace(cfg, checkpoint=run.checkpoint, data=absolute_path(data), out=out)
 
 
 def eval_loop_per_worker(config: dict) -> None:

@@ -5,7 +5,8 @@ Invariants:
   set's mean/std) and returns logits; N, the batch, is dynamic.
 - The export is written to a temporary file beside ``--out``, loaded back (onnxruntime, ``torch.export.load``,
   ``torch.jit.load``) and run on seeded batches of ``CHECK_BATCHES`` sizes; only when the largest
-  difference from the PyTorch model is within the format's ``TOLERANCE`` is it renamed to ``--out``.
+  difference from the PyTorch model is within the format's ``TOLERANCE`` is it renamed to ``--out``,
+  with the mode the user's umask gives an ordinary file (``storage.local_replacement``).
   Otherwise nothing is written and the command fails naming the difference.
 - ONNX needs the optional extra (``onnx``, ``onnxruntime``, ``onnxscript`` for torch's exporter);
   without it the command is one line naming ``pip install -e '.[export]'``, before anything runs.
@@ -16,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from torch import nn
 from raytrain_mp.errors import UsageError
 from raytrain_mp.inference.checkpoint import load_run
 from raytrain_mp.inference.config import ExportConfig
+from raytrain_mp.storage import local_replacement
 
 CHECK_BATCHES = (1, 7)
 TOLERANCE = {"onnx": 1e-4, "pt2": 1e-5, "torchscript": 1e-5}
@@ -131,22 +131,15 @@ def export_model(model: nn.Module, fmt: str, out: str | Path, channels: int, hei
     model = _Input(model.float()).eval()
     batches = check_batches(channels, height, width)
     out = Path(out).expanduser().resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=out.suffix, dir=out.parent)
-    os.close(fd)
-    try:
-        write(model, torch.zeros(2, channels, height, width), Path(tmp))
+    with local_replacement(out, suffix=out.suffix) as tmp:
+        write(model, torch.zeros(2, channels, height, width), tmp)
         with torch.no_grad():
-            difference = max((run(Path(tmp), x).float() - model(x)).abs().max().item() for x in batches)
+            difference = max((run(tmp, x).float() - model(x)).abs().max().item() for x in batches)
         if not difference <= TOLERANCE[fmt]:
             raise ExportMismatch(
                 f"the {fmt} export differs from the PyTorch model by {difference:.3g} (> {TOLERANCE[fmt]}); nothing "
                 "written"
             )
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return difference
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from raytrain_mp.ddp.loop import autocast_for
 from raytrain_mp.inference.checkpoint import TrainedRun, load_run
 from raytrain_mp.inference.config import PredictConfig
 from raytrain_mp.inference.images import collect_files, load_image
+from raytrain_mp.storage import write_local
 
 RAY_THRESHOLD = 512  # files; below it, starting Ray costs more than it saves
 CHUNK = 256
@@ -95,14 +97,12 @@ def run_predict(cfg: PredictConfig, inputs: Inputs) -> dict:
 
 
 def write_csv(path: Path, predictions: list[dict], top: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    with tmp.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["file", *[f"{kind}_{r}" for r in range(1, top + 1) for kind in ("class", "probability")]])
-        for p in predictions:
-            writer.writerow([p["file"], *[v for pair in zip(p["classes"], p["probabilities"]) for v in pair]])
-    tmp.replace(path)
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["file", *[f"{kind}_{r}" for r in range(1, top + 1) for kind in ("class", "probability")]])
+    for p in predictions:
+        writer.writerow([p["file"], *[v for pair in zip(p["classes"], p["probabilities"]) for v in pair]])
+    write_local(path, text.getvalue().encode())
 
 
 def print_predictions(result: dict, as_json: bool) -> None:

@@ -1,8 +1,16 @@
 """What ``raytrain-mp eval`` leaves in ``--out``: ``eval.json``, ``confusion.png`` and ``predictions.csv``.
 
+Without ``--out`` they go into a new folder ``SPLIT-TIME`` (``val-20261206-071500``) of ``eval/`` in
+the run folder that holds the checkpoint, beside its checkpoints and ``metrics.csv``; where that
+folder is in an object store or not writable, or the checkpoint is in no run folder (a copied
+checkpoint folder), into ``eval/NAME/SPLIT-TIME`` in the working directory, NAME the run's (or the
+checkpoint folder's) name (``default_out``). A second evaluation never lands in the folder of the
+first.
+
 Invariants: per-class accuracy and the confusion matrix are computed from the all-reduced counts
 (row = true class, column = predicted), a class with no samples has accuracy ``null``; every file
-is written to a temporary name in ``--out`` and renamed, so a file is there whole or not at all.
+is written to a temporary name in ``--out`` and renamed (``storage.write_local``), so a file is there whole or
+not at all, with the mode the user's umask gives an ordinary file.
 Knows neither Ray nor torch.
 """
 
@@ -12,23 +20,35 @@ import csv
 import io
 import json
 import os
-import tempfile
-from pathlib import Path
+import time
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
 from raytrain_mp.plots import png_bytes, pyplot
+from raytrain_mp.storage import is_uri, split_query, write_local
 
 EVAL_FILE = "eval.json"
 CONFUSION_FILE = "confusion.png"
 PREDICTIONS_FILE = "predictions.csv"
 
 
-def _write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def default_out(checkpoint: str, split: str, in_run: bool) -> str:
+    """The folder eval writes to without ``--out`` (see the module doc) for the checkpoint folder
+    ``checkpoint`` (a local path or a URI; ``in_run``: one of a run folder's checkpoints): a new
+    one, ``-2``, ``-3``, ... added within a second."""
+    folder = PurePosixPath(split_query(checkpoint)[0])
+    run = folder.parent if in_run else folder
+    if in_run and not is_uri(checkpoint) and os.access(run, os.W_OK | os.X_OK):
+        parent = Path(run) / "eval"
+    else:
+        parent = Path.cwd() / "eval" / run.name
+    name = f"{split}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = parent / name, 1
+    while out.exists():
+        n += 1
+        out = parent / f"{name}-{n}"
+    return str(out)
 
 
 def per_class_accuracy(confusion: np.ndarray, names: list[str]) -> dict[str, float | None]:
@@ -84,15 +104,15 @@ def write_eval_outputs(cfg, run, metrics: dict, names: list[str], labels: np.nda
         "confusion": confusion.tolist(),
         "class_names": names,
     }
-    _write(out / EVAL_FILE, json.dumps(summary, indent=2).encode())
+    write_local(out / EVAL_FILE, json.dumps(summary, indent=2).encode())
     title = f"{cfg.split} of {Path(cfg.data).name}: accuracy {metrics['accuracy']:.4f} ({metrics['count']} samples)"
-    _write(out / CONFUSION_FILE, confusion_png(confusion, names, title))
+    write_local(out / CONFUSION_FILE, confusion_png(confusion, names, title))
     rows = io.StringIO()
     writer = csv.writer(rows)
     writer.writerow(["index", "id", "label", "predicted", "label_name", "predicted_name"])
     for i, (label, guess) in enumerate(zip(labels.tolist(), predicted.tolist())):
         writer.writerow([i, int(ids[i]), label, guess, names[label], names[guess]])
-    _write(out / PREDICTIONS_FILE, rows.getvalue().encode())
+    write_local(out / PREDICTIONS_FILE, rows.getvalue().encode())
     return {
         **{k: v for k, v in summary.items() if k not in ("confusion", "per_class_accuracy", "class_names")},
         "per_class_accuracy": summary["per_class_accuracy"],

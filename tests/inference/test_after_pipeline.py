@@ -3,9 +3,11 @@ from the pipeline's own config.yaml, and eval meets the run's last validation ex
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from helpers import run_cli_json, tiny_run
+from helpers import assert_ordinary_modes, run_cli_json, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -18,9 +20,9 @@ def pipeline_run(ray_session, tmp_path_factory) -> dict:
 
 
 def test_eval_of_a_pipeline_checkpoint_meets_the_runs_validation(pipeline_run, tmp_path):
-    result = run_cli_json(
-        "eval", "--checkpoint", pipeline_run["run"], "--num-workers", "2", "--no-use-gpu", "--out", str(tmp_path / "e")
-    )
+    result = run_cli_json("eval", "--checkpoint", pipeline_run["run"], "--num-workers", "2", "--no-use-gpu")
+    out = Path(result["eval"]).parent  # without --out: a new folder in the run folder
+    assert out.parent == Path(pipeline_run["run"]) / "eval" and out.name.startswith("val-")
     assert result["checkpoint"] == pipeline_run["checkpoint"]
     assert result["count"] == pipeline_run["val_count"] == 60
     assert result["accuracy"] == pipeline_run["val_accuracy"]
@@ -32,3 +34,4 @@ def test_export_of_a_pipeline_checkpoint(pipeline_run, tmp_path):
         "export", "--checkpoint", pipeline_run["run"], "--format", "pt2", "--out", str(tmp_path / "m.pt2")
     )
     assert result["max_abs_difference"] <= 1e-5 and (tmp_path / "m.pt2").is_file()
+    assert_ordinary_modes(tmp_path / "m.pt2", pipeline_run["run"])  # the run folder, and its eval/ if it has one

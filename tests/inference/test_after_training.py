@@ -18,7 +18,7 @@ import torch
 from raytrain_mp.checkpointing import RAY_SNAPSHOT
 from raytrain_mp.inference.checkpoint import load_run, resolve_checkpoint
 
-from helpers import assert_usage_error, run_cli, run_cli_json, tiny_run
+from helpers import assert_ordinary_modes, assert_usage_error, run_cli, run_cli_json, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -99,6 +99,7 @@ def test_export_loads_back_and_agrees_with_the_model_at_batch_1_and_7(run, tmp_p
     result = run_cli_json("export", "--checkpoint", run["run"], "--format", fmt, "--out", str(out))
     assert result["out"] == str(out) and result["input"] == ["batch", 1, 8, 8]
     assert 0 <= result["max_abs_difference"] <= tolerance
+    assert_ordinary_modes(out)
     _, model = load_run(run["run"])
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randn(n, 1, 8, 8, generator=generator) for n in (1, 7)]
@@ -157,6 +158,7 @@ def test_eval_reports_exactly_the_runs_own_validation(run, evaluated, workers):
         i = saved["class_names"].index(name)
         assert accuracy == confusion[i, i] / confusion[i].sum()
     assert (out / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_ordinary_modes(out, run["run"], run["data"])  # also the run folder and data set others read
 
 
 def test_predict_gives_evals_classes_for_the_validation_images(run, evaluated, tmp_path):
@@ -180,6 +182,7 @@ def test_predict_gives_evals_classes_for_the_validation_images(run, evaluated, t
         for p in result["predictions"]
     )
     assert len(list(csv.DictReader((tmp_path / "p.csv").open()))) == 12
+    assert_ordinary_modes(tmp_path / "p.csv")
 
 
 def test_bad_inputs_are_one_line_and_write_nothing(run, tmp_path, capsys):

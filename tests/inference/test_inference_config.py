@@ -3,6 +3,8 @@ line, exit 2, nothing written; and a file that exists may be replaced."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from raytrain_mp.config import build_config
@@ -35,3 +37,21 @@ def test_an_existing_output_file_may_be_replaced(tmp_path):
     out.write_bytes(b"old")
     assert build_config(ExportConfig, {"checkpoint": "run", "out": str(out)}).out == str(out)
     assert build_config(PredictConfig, {"checkpoint": "run", "files": ["a.png"], "csv": str(out)}).csv == str(out)
+
+
+def test_evals_default_folder_is_new_and_in_the_run_folder(tmp_path, monkeypatch):
+    from raytrain_mp.inference import report
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(report.time, "strftime", lambda fmt: "20261206-071500")
+    run = tmp_path / "runs" / "tiny"
+    checkpoint = run / "checkpoint_000002"
+    checkpoint.mkdir(parents=True)
+    first = report.default_out(str(checkpoint), "val", in_run=True)
+    assert first == str(run / "eval" / "val-20261206-071500")
+    Path(first).mkdir(parents=True)  # the first eval wrote there: the next one, within the second, goes beside it
+    assert report.default_out(str(checkpoint), "val", in_run=True) == f"{first}-2"
+    store = report.default_out("s3://bucket/runs/tiny/checkpoint_000002?endpoint_override=h:1", "train", in_run=True)
+    assert store == str(tmp_path / "eval" / "tiny" / "train-20261206-071500")  # an object store: here
+    copied = report.default_out(str(checkpoint), "val", in_run=False)  # a checkpoint folder in no run folder
+    assert copied == str(tmp_path / "eval" / "checkpoint_000002" / "val-20261206-071500")
