@@ -1,7 +1,9 @@
 """The ``raytrain-mp`` command line: parse, validate into a config dataclass, then run.
 
 Invariants: every bad input ends as one line ``raytrain-mp: error: ...`` on stderr and exit code 2
-(argparse's own errors included), raised before Ray starts or any output is written; a run that
+(argparse's own errors included), raised before Ray starts or any output is written, and an
+option's own errors (``build_config``) before a command imports its capability, torch or Ray, so
+they are said at once; a run that
 fails for good (its restarts used up) ends as one line ``raytrain-mp: failed: ...`` and exit code 1; Ctrl-C or
 SIGTERM ends a command with one line on stderr and exit code 130 or 143 (``interruption``); with
 ``--json`` the last line of stdout is one JSON object describing the result, at full precision;
@@ -69,9 +71,9 @@ def emit(result: dict, as_json: bool, title: str) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    cfg = build_config(PrepareConfig, args)
     from raytrain_mp.data.prepare import prepare
 
-    cfg = build_config(PrepareConfig, args)
     meta = prepare(
         cfg.source,
         cfg.out,
@@ -128,18 +130,20 @@ def finished_already(cfg, command: str, as_json: bool) -> bool:
 
 
 def cmd_ddp(args: argparse.Namespace) -> int:
+    cfg = build_config(DDPConfig, args)
     from raytrain_mp.ddp.trainer import run_ddp, with_checked_data
 
-    cfg = with_checked_data(build_config(DDPConfig, args))
+    cfg = with_checked_data(cfg)
     if not finished_already(cfg, "ddp", args.json):
         run_on_ray(cfg, run_ddp, args.json, "ddp training finished", cfg.quiet)
     return 0
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
+    cfg = build_config(PipelineConfig, args)
     from raytrain_mp.pipeline.run import run_pipeline, with_checked_inputs
 
-    cfg = with_checked_inputs(build_config(PipelineConfig, args))
+    cfg = with_checked_inputs(cfg)
     if not finished_already(cfg, "pipeline", args.json):
         run_on_ray(cfg, run_pipeline, args.json, "pipeline training finished", cfg.quiet)
     return 0
@@ -147,35 +151,39 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from raytrain_mp.tune.config import tune_config_from_args
+
+    cfg = tune_config_from_args(args)
     from raytrain_mp.tune.sweep import prepared, run_sweep
 
-    result = run_on_ray(prepared(tune_config_from_args(args)), run_sweep, args.json, "learning-rate sweep finished")
+    result = run_on_ray(prepared(cfg), run_sweep, args.json, "learning-rate sweep finished")
     return (
         0 if result["best"] else 1
     )  # every trial failed, or the sweep was interrupted (its "resume" says how to go on)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    cfg = build_config(EvalConfig, args)
     from raytrain_mp.inference.evaluation import run_eval, with_checked_inputs
 
-    cfg = with_checked_inputs(build_config(EvalConfig, args))
+    cfg = with_checked_inputs(cfg)
     run_on_ray(cfg, run_eval, args.json, f"evaluation written to {cfg.out}")
     return 0
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    cfg = build_config(PredictConfig, args)
     from raytrain_mp.inference.predict import print_predictions, run_predict, with_checked_inputs
 
-    cfg, inputs = with_checked_inputs(build_config(PredictConfig, args))
+    cfg, inputs = with_checked_inputs(cfg)
     result = run_predict(cfg, inputs)
     print_predictions(result, args.json)
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    cfg = build_config(ExportConfig, args)
     from raytrain_mp.inference.export import ExportMismatch, run_export
 
-    cfg = build_config(ExportConfig, args)
     try:
         result = run_export(cfg)
     except ExportMismatch as exc:
@@ -191,26 +199,26 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    cfg = build_config(BenchPipelineConfig, args)
     from raytrain_mp.bench.pipeline import run_bench_pipeline
 
-    cfg = build_config(BenchPipelineConfig, args)
     run_on_ray(cfg, run_bench_pipeline, args.json, f"pipeline benchmark written to {cfg.out}")
     return 0
 
 
 def cmd_bench_ddp(args: argparse.Namespace) -> int:
+    cfg = build_config(BenchDDPConfig, args)
     from raytrain_mp.bench.ddp import run_bench_ddp
 
-    cfg = build_config(BenchDDPConfig, args)
     result = run_bench_ddp(cfg)  # starts Ray itself, after the torchrun runs
     emit(result, args.json, f"ddp benchmark written to {cfg.out}")
     return 0
 
 
 def cmd_bench_data(args: argparse.Namespace) -> int:
+    cfg = build_config(BenchDataConfig, args)
     from raytrain_mp.bench.data import run_bench_data
 
-    cfg = build_config(BenchDataConfig, args)
     emit(run_bench_data(cfg), args.json, f"data benchmark written to {cfg.out}")
     return 0
 

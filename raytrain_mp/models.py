@@ -48,7 +48,6 @@ Invariants:
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import os
 import re
@@ -58,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_mp.errors import UsageError
+from raytrain_mp.model_names import check_torchvision_name
 
 if TYPE_CHECKING:
     from torch import nn
@@ -101,7 +101,8 @@ def is_callable_spec(name: str) -> bool:
 
 
 def check_model_syntax(name: str) -> None:
-    """The name's form, without importing anything: for ``validate()``, which runs at parse time."""
+    """The name's form, and a torchvision name's existence (``model_names``), without importing
+    torch: for ``validate()``, which runs at parse time."""
     if is_callable_spec(name):
         if not _CALLABLE_SPEC.fullmatch(name):
             raise UsageError(f"--model: {name!r} is not of the form package.module:callable (e.g. mymodels:tiny_net)")
@@ -109,6 +110,8 @@ def check_model_syntax(name: str) -> None:
         raise UsageError(
             f"--model: {name!r} is neither a torchvision model name (e.g. resnet18) nor package.module:callable"
         )
+    else:
+        check_torchvision_name(name)
 
 
 def wants_small_stem(image_size: int) -> bool:
@@ -183,14 +186,7 @@ def _torchvision_model(
 def _torchvision_builder(name: str) -> Callable[..., nn.Module]:
     from torchvision import models as tv_models
 
-    names = tv_models.list_models(module=tv_models)
-    if name not in names:
-        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
-        hint = f"; closest: {', '.join(close)}" if close else ""
-        raise UsageError(
-            f"--model: unknown model {name!r}{hint}; accepted: a torchvision.models classifier "
-            f"(torchvision.models.list_models()) or package.module:callable"
-        )
+    check_torchvision_name(name)
     return tv_models.get_model_builder(name)
 
 

@@ -28,6 +28,7 @@ SHARED_MODULES = {
     "faults",
     "interruption",
     "lr_schedule",
+    "model_names",
     "models",
     "niceness",
     "optim",

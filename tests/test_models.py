@@ -4,6 +4,7 @@ model on 32x32 inputs (vit_b_16, 86M parameters, is built once)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 
@@ -163,6 +164,20 @@ def test_a_malformed_name_fails_without_importing(name, message):
         check_model_syntax(name)
     assert str(info.value) == message
     check_model_syntax("pkg.sub.mod:Factory.build")
+
+
+def test_torchvision_names_are_read_without_importing_torch_and_equal_list_models():
+    from raytrain_mp.model_names import torchvision_names
+
+    assert list(torchvision_names()) == tv_models.list_models(module=tv_models)
+    code = (
+        "import sys\nfrom raytrain_mp.cli import main\n"
+        "code = main(['ddp', '--model', 'resnt18'])\n"
+        "print(code, [m for m in ('torch', 'torchvision', 'ray', 'pyarrow') if m in sys.modules])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split("\n")[0] == "2 []", done.stderr[-2000:]  # the error said before any of them loads
+    assert done.stderr.startswith("raytrain-mp: error: --model: unknown model 'resnt18'; closest: resnet18")
 
 
 def test_weights_load_strict_and_a_misfit_is_one_line(tmp_path):
