@@ -7,7 +7,8 @@ they are said at once; a run that
 fails for good (its restarts used up) ends as one line ``raytrain-mp: failed: ...`` and exit code 1; Ctrl-C or
 SIGTERM ends a command with one line on stderr and exit code 130 or 143 (``interruption``); with
 ``--json`` the last line of stdout is one JSON object describing the result, at full precision;
-without it the result prints as ``key: value`` lines whose floats have 4 significant digits.
+without it the result prints as ``key: value`` lines whose floats have 4 significant digits
+(``readable``, the format of the epoch lines too).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from raytrain_mp.bench.config import BenchDataConfig, BenchDDPConfig, BenchPipelineConfig
 from raytrain_mp.config import add_arguments, build_config
@@ -26,6 +26,7 @@ from raytrain_mp.errors import EXIT_FAILED, EXIT_USAGE, RunFailedError, UsageErr
 from raytrain_mp.inference.config import EvalConfig, ExportConfig, PredictConfig
 from raytrain_mp.interruption import Interrupted, signals_interrupt
 from raytrain_mp.pipeline.config import PipelineConfig
+from raytrain_mp.readable import readable
 from raytrain_mp.tune.config import TuneConfig
 
 PROG = "raytrain-mp"
@@ -37,26 +38,6 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # noqa: D401 - argparse's signature
         print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
-
-
-class Readable(float):
-    """A float that prints with 4 significant digits (``5.098e-06``, ``0.9694``), also inside a list or dict."""
-
-    def __repr__(self) -> str:
-        return f"{float(self):.4g}"
-
-    __str__ = __repr__
-
-
-def readable(value: Any) -> Any:
-    """``value`` with every float, also inside lists and dicts, a ``Readable``."""
-    if isinstance(value, float):
-        return Readable(value)
-    if isinstance(value, dict):
-        return {key: readable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [readable(item) for item in value]
-    return value
 
 
 def emit(result: dict, as_json: bool, title: str) -> None:

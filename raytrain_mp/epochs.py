@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from raytrain_mp.models import build_model
+from raytrain_mp.readable import number
 
 
 def run_dtype(precision: str) -> torch.dtype:
@@ -57,7 +58,7 @@ def checkpoint_due(cfg: Any, epoch: int, steps_done: int, steps_per_epoch: int) 
 def epoch_line(metrics: dict, epochs: int, extra: str = "") -> str:
     """``epoch E/N train_loss .. val_loss .. val_accuracy .. samples/s ..{extra} lr ..`` of an epoch's metrics."""
     return (
-        f"epoch {metrics['epoch']}/{epochs} train_loss {metrics['train_loss']:.4f} val_loss {metrics['val_loss']:.4f} "
-        f"val_accuracy {metrics['val_accuracy']:.4f} samples/s {metrics['samples_per_second']:.1f}{extra} lr "
-        f"{metrics['lr']:.5f}"
+        f"epoch {metrics['epoch']}/{epochs} train_loss {number(metrics['train_loss'])} "
+        f"val_loss {number(metrics['val_loss'])} val_accuracy {number(metrics['val_accuracy'])} "
+        f"samples/s {metrics['samples_per_second']:.1f}{extra} lr {number(metrics['lr'])}"
     )

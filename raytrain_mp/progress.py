@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from raytrain_mp.readable import number
+
 LIVE_INTERVAL_S = 0.5
 ERASE_LINE = "\x1b[K"  # erase from the cursor to the end of the line (ANSI/VT100 EL)
 
@@ -111,7 +113,7 @@ class Progress:
             else "eta ?"
         )
         return (
-            f"epoch {epoch + 1}/{self.epochs} step {step}/{self.steps_per_epoch} loss {loss:.4f} "
+            f"epoch {epoch + 1}/{self.epochs} step {step}/{self.steps_per_epoch} loss {number(loss)} "
             f"samples/s {epoch_rate * self.global_batch:.1f} {eta}"
         )
 

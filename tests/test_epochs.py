@@ -130,14 +130,14 @@ METRICS = {
 def test_epoch_line_of_ddp():
     assert (
         epoch_line(METRICS, 6)
-        == "epoch 2/6 train_loss 1.2346 val_loss 0.5000 val_accuracy 0.8765 samples/s 1234.6 lr 0.01235"
+        == "epoch 2/6 train_loss 1.235 val_loss 0.5 val_accuracy 0.8765 samples/s 1234.6 lr 0.01235"
     )
 
 
 def test_epoch_line_takes_the_pipeline_bubble_before_the_lr():
     line = epoch_line(METRICS, 6, " bubble 0.250 (stage times 0.100/0.200 s/step)")
     assert line == (
-        "epoch 2/6 train_loss 1.2346 val_loss 0.5000 val_accuracy 0.8765 samples/s 1234.6 "
+        "epoch 2/6 train_loss 1.235 val_loss 0.5 val_accuracy 0.8765 samples/s 1234.6 "
         "bubble 0.250 (stage times 0.100/0.200 s/step) lr 0.01235"
     )
 

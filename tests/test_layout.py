@@ -34,6 +34,7 @@ SHARED_MODULES = {
     "optim",
     "plots",
     "progress",
+    "readable",
     "run_log",
     "storage",
 }

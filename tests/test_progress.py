@@ -53,7 +53,7 @@ def test_the_eta_of_the_epoch_and_of_the_run_include_evaluation_once_seen():
     progress.start_epoch()
     run_steps(progress, clock, range(1, 6), 10.0)
     # 5 steps left in the epoch and 15 in the run, at 10 s each
-    assert progress.line(1.23456) == "epoch 1/2 step 5/10 loss 1.2346 samples/s 3.2 eta 0:50 (run 2:30)"
+    assert progress.line(1.23456) == "epoch 1/2 step 5/10 loss 1.235 samples/s 3.2 eta 0:50 (run 2:30)"
     assert progress.at == (1, 5)
     run_steps(progress, clock, range(6, 11), 10.0)
     assert progress.line(1.0).startswith("epoch 1/2 step 10/10 ") and progress.at == (1, 10)
@@ -61,7 +61,7 @@ def test_the_eta_of_the_epoch_and_of_the_run_include_evaluation_once_seen():
     progress.start_epoch()
     run_steps(progress, clock, range(11, 13), 10.0)
     # the epoch: 8 steps at 10 s; the run: 8 steps at 150 s / 12 steps
-    assert progress.line(0.5) == "epoch 2/2 step 2/10 loss 0.5000 samples/s 3.2 eta 1:20 (run 1:40)"
+    assert progress.line(0.5) == "epoch 2/2 step 2/10 loss 0.5 samples/s 3.2 eta 1:20 (run 1:40)"
 
 
 def test_a_resumed_attempt_times_only_its_own_steps():
@@ -71,7 +71,7 @@ def test_a_resumed_attempt_times_only_its_own_steps():
     assert progress.line(2.0).endswith("eta ?")
     progress.start_epoch()
     assert run_steps(progress, clock, range(14, 15), 10.0) == ["log"]
-    assert progress.line(2.0) == "epoch 2/2 step 4/10 loss 2.0000 samples/s 3.2 eta 1:00 (run 1:00)"
+    assert progress.line(2.0) == "epoch 2/2 step 4/10 loss 2.0 samples/s 3.2 eta 1:00 (run 1:00)"
 
 
 def test_a_terminal_gets_one_line_rewritten_in_place_and_a_pipe_plain_lines():

@@ -26,6 +26,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from raytrain_mp.plots import png_bytes, pyplot
+from raytrain_mp.readable import number
 from raytrain_mp.storage import is_uri, split_query, write_local
 
 EVAL_FILE = "eval.json"
@@ -105,7 +106,7 @@ def write_eval_outputs(cfg, run, metrics: dict, names: list[str], labels: np.nda
         "class_names": names,
     }
     write_local(out / EVAL_FILE, json.dumps(summary, indent=2).encode())
-    title = f"{cfg.split} of {Path(cfg.data).name}: accuracy {metrics['accuracy']:.4f} ({metrics['count']} samples)"
+    title = f"{cfg.split} of {Path(cfg.data).name}: accuracy {number(metrics['accuracy'])} ({metrics['count']} samples)"
     write_local(out / CONFUSION_FILE, confusion_png(confusion, names, title))
     rows = io.StringIO()
     writer = csv.writer(rows)
