@@ -73,6 +73,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         "source": meta.source,
         "train": meta.counts["train"],
         "val": meta.counts["val"],
+        **{f"{split}_per_class": dict(zip(meta.class_names, meta.class_counts[split])) for split in ("train", "val")},
         "image_shape": list(meta.image_shape),
         "num_classes": meta.num_classes,
         "encoded": meta.encoded,

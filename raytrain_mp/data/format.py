@@ -43,6 +43,8 @@ class DatasetMeta:
     counts: dict[str, int]
     shards: dict[str, list[str]] = field(default_factory=dict)  # split -> file names in order
     encoded: bool = False  # image column holds JPEG/PNG files (decoded in the loader), not raw pixels
+    # split -> samples per class, in class order; None in data sets prepared before it was written
+    class_counts: dict[str, list[int]] | None = None
     format_version: int = FORMAT_VERSION
 
     @property

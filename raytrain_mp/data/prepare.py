@@ -130,6 +130,10 @@ def write_dataset(
             mean=mean,
             std=std,
             counts={"train": int(len(raw.train.labels)), "val": int(len(raw.val.labels))},
+            class_counts={
+                name: np.bincount(split.labels, minlength=len(raw.class_names)).tolist()
+                for name, split in (("train", raw.train), ("val", raw.val))
+            },
             shards={
                 "train": _write_split(raw.train, tmp / "train", rows_per_shard),
                 "val": _write_split(raw.val, tmp / "val", rows_per_shard),

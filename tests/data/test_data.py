@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from raytrain_mp.data.sources import make_synthetic_source
 from raytrain_mp.ddp.distributed_eval import ShardSampler
 from raytrain_mp.errors import UsageError
 
-from helpers import assert_usage_error, run_cli
+from helpers import assert_ordinary_modes, assert_usage_error, run_cli
 
 
 def all_samples(root) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -131,6 +132,28 @@ def test_imagefolder_pngs(tmp_path, capsys):
     assert all(np.array_equal(a, b) for a, b in zip(images, expected))
     assert labels.tolist() == [0] * 5 + [1] * 5
     assert read_meta(str(out)).class_names == ["cat", "dog"]
+
+
+def test_the_validation_split_is_stratified_and_an_old_data_set_still_loads(tmp_path, capsys):
+    from PIL import Image
+
+    for cls in ("a", "b", "c"):
+        (tmp_path / "tree" / cls).mkdir(parents=True)
+        for i in range(40):
+            Image.fromarray(np.full((2, 2, 3), i, dtype=np.uint8)).save(tmp_path / "tree" / cls / f"{i:02d}.png")
+    out = tmp_path / "prepared"
+    res = run_cli(capsys, "data", "prepare", f"imagefolder:{tmp_path / 'tree'}", "--out", str(out), "--seed", "3")
+    assert res.code == 0, res.err
+    assert "  val_per_class: {'a': 8, 'b': 8, 'c': 8}" in res.out.splitlines()
+    assert "  train_per_class: {'a': 32, 'b': 32, 'c': 32}" in res.out.splitlines()
+    assert np.bincount(ParquetImageDataset(str(out), "val").labels).tolist() == [8, 8, 8]
+    assert read_meta(str(out)).class_counts == {"train": [32, 32, 32], "val": [8, 8, 8]}
+    assert_ordinary_modes(out)
+    # A data set from before per-class counts: its metadata has none, and it loads with its split.
+    meta_file = out / "metadata.json"
+    old = {key: value for key, value in json.loads(meta_file.read_text()).items() if key != "class_counts"}
+    meta_file.write_text(json.dumps(old))
+    assert read_meta(str(out)).class_counts is None and len(ParquetImageDataset(str(out), "val")) == 24
 
 
 def test_synthetic_round_trip_identical_tensors(tmp_path, capsys):
