@@ -391,7 +391,11 @@ class TrainOptions:
     num_to_keep: int = option(2, "checkpoints kept")
     max_failures: int = option(0, "restarts from the last checkpoint after a worker or stage failure")
     resume_from: str | None = option(None, "checkpoint folder (holding model.pt) to resume from")
-    log_every: int = option(50, "progress line every this many steps within an epoch (0: off)")
+    log_every: int | None = option(
+        None,
+        "progress line and metrics.csv step row every this many steps within an epoch (default: 50, or about 4 an "
+        "epoch in epochs of fewer than 200 steps; 0: off)",
+    )
     verbose: bool = option(False, "also show Ray's informational log lines (they are always in Ray's log files)")
     quiet: bool = option(False, "print only the summary: no progress or epoch lines (errors and warnings still print)")
     inject_fault: str | None = option(
@@ -415,7 +419,7 @@ class TrainOptions:
         check(self.checkpoint_every >= 1, "checkpoint_every", f"must be >= 1, got {self.checkpoint_every}")
         check(self.num_to_keep >= 1, "num_to_keep", f"must be >= 1, got {self.num_to_keep}")
         check(self.max_failures >= -1, "max_failures", f"must be >= 0 (or -1: unlimited), got {self.max_failures}")
-        check(self.log_every >= 0, "log_every", f"must be >= 0, got {self.log_every}")
+        check(self.log_every is None or self.log_every >= 0, "log_every", f"must be >= 0, got {self.log_every}")
         check(not (self.quiet and self.verbose), "quiet", "contradicts --verbose; accepted: one of them")
         check_writable("storage_path", self.storage_path)
         if self.weights is not None:

@@ -42,6 +42,15 @@ def duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
+def log_interval(log_every: int | None, steps_per_epoch: int) -> int:
+    """The steps between two ``--log-every`` lines and rows (0: none): as given, else 50, or about 4
+    an epoch where an epoch is shorter, so that a short run still has a train curve. Logging reads
+    the running loss and nothing else: the model is the same at any interval."""
+    if log_every is not None:
+        return log_every
+    return min(50, max(1, steps_per_epoch // 4))
+
+
 class Progress:
     """The progress of one attempt of a run of ``epochs`` epochs of ``steps_per_epoch`` steps of
     ``global_batch`` samples that starts after ``start_step`` global steps."""
@@ -52,14 +61,14 @@ class Progress:
         steps_per_epoch: int,
         global_batch: int,
         start_step: int,
-        log_every: int,
+        log_every: int | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.epochs, self.steps_per_epoch, self.global_batch, self.log_every = (
             epochs,
             steps_per_epoch,
             global_batch,
-            log_every,
+            log_interval(log_every, steps_per_epoch),
         )
         self.clock = clock
         self.started = self.epoch_started = self.last_live = clock()

@@ -10,7 +10,8 @@ beside its checkpoints: what a person reads while the run goes and after it ends
   rows), so ``tensorboard --logdir STORAGE`` shows every run and every Tune trial side by side.
 - ``curves.png``: loss, val accuracy and lr against the global step, drawn at every epoch end and
   when the run ends (Tune ends a trial as soon as its scheduler has the last epoch's report, before
-  the loop's end).
+  the loop's end). The lr panel draws the run's schedule at every step done (``lr_at``, so a warmup
+  of a few steps shows), not only at the rows; a legend names only lines that have points.
 
 Invariants:
 
@@ -41,6 +42,7 @@ import csv
 import io
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tensorboardX.event_file_writer import EventsWriter
@@ -83,10 +85,13 @@ def read_rows(run: Location) -> list[dict[str, str]]:
 
 class RunLog:
     """The log of one attempt of a run at ``run`` that starts after ``start_step`` global steps of
-    ``global_batch`` samples each (see the module's invariants)."""
+    ``global_batch`` samples each (see the module's invariants); ``lr_at(s)``: the lr the step from
+    0 ``s`` trains with (the run's ``LRSchedule``), for ``curves.png``."""
 
-    def __init__(self, run: Location, start_step: int, global_batch: int) -> None:
-        self.run, self.global_batch = run, global_batch
+    def __init__(
+        self, run: Location, start_step: int, global_batch: int, lr_at: Callable[[int], float] | None = None
+    ) -> None:
+        self.run, self.global_batch, self.lr_at = run, global_batch, lr_at
         self.rows = [row for row in read_rows(run) if int(row["global_step"]) <= start_step]
         self._published = -1  # rows published so far (-1: not even the truncation)
         self._local = tempfile.TemporaryDirectory(prefix="raytrain-log-")  # removed with the log, also an abandoned one
@@ -151,7 +156,7 @@ class RunLog:
 
     def draw(self) -> None:
         """Replace the run's ``curves.png`` with one of every row so far."""
-        self.run.child(CURVES_FILE).write_bytes(plot_curves(self.rows))
+        self.run.child(CURVES_FILE).write_bytes(plot_curves(self.rows, self.lr_at))
 
     def close(self) -> None:
         """Publish, draw ``curves.png`` and remove the local copy; the run ended."""
@@ -161,8 +166,13 @@ class RunLog:
         self._local.cleanup()
 
 
-def plot_curves(rows: list[dict[str, str]]) -> bytes:
-    """A PNG of train and val loss, val accuracy and lr against the global step."""
+# At most this many points of the lr schedule are drawn: every step of a short run, a sample of a long one.
+LR_POINTS = 2000
+
+
+def plot_curves(rows: list[dict[str, str]], lr_at: Callable[[int], float] | None = None) -> bytes:
+    """A PNG of train and val loss, val accuracy and lr against the global step; the lr by
+    ``lr_at`` at every step done (see ``RunLog``), else the rows' lr."""
     plt = pyplot()
 
     def series(kind: str, name: str) -> tuple[list[int], list[float]]:
@@ -170,15 +180,27 @@ def plot_curves(rows: list[dict[str, str]]) -> bytes:
         return [s for s, _ in points], [v for _, v in points]
 
     fig, (loss, accuracy, lr) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
-    loss.plot(*series("step", "train_loss"), label="train (running mean of the epoch)", alpha=0.6)
-    loss.plot(*series("epoch", "train_loss"), "o-", label="train (epoch)")
-    loss.plot(*series("epoch", "val_loss"), "s-", label="val")
+    for kind, name, style, label in (
+        ("step", "train_loss", "-", "train (running mean of the epoch)"),
+        ("epoch", "train_loss", "o-", "train (epoch)"),
+        ("epoch", "val_loss", "s-", "val"),
+    ):
+        steps, values = series(kind, name)
+        if steps:  # a line without points would be an empty legend entry
+            loss.plot(steps, values, style, label=label, alpha=0.6 if kind == "step" else 1.0)
     loss.set_ylabel("loss")
-    loss.legend()
+    if loss.lines:
+        loss.legend()
     accuracy.plot(*series("epoch", "val_accuracy"), "s-")
     accuracy.set_ylabel("val accuracy")
-    by_step = series("step", "lr")
-    lr.plot(*(by_step if by_step[0] else series("epoch", "lr")))  # without --log-every rows, the epochs' last lr
+    done = max((int(r["global_step"]) for r in rows), default=0)
+    if lr_at is not None and done:
+        points = min(done, LR_POINTS)
+        steps = sorted({1 + round(i * (done - 1) / max(points - 1, 1)) for i in range(points)})
+        lr.plot(steps, [lr_at(s - 1) for s in steps])  # global step s: the step from 0 s - 1 trained with it
+    else:
+        by_step = series("step", "lr")
+        lr.plot(*(by_step if by_step[0] else series("epoch", "lr")))  # without step rows, the epochs' last lr
     lr.set_ylabel("lr")
     lr.set_xlabel("global step")
     for ax in (loss, accuracy, lr):

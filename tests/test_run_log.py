@@ -97,3 +97,36 @@ def test_publishing_replaces_whole_files(tmp_path, monkeypatch):
     csv_writes = [data for path, data in writes if path.endswith(METRICS_FILE)]
     assert [len(list(csv.DictReader(io.StringIO(data.decode())))) for data in csv_writes] == [2, 5, 6]
     assert sorted(p.name for p in (tmp_path / "runs" / "r").iterdir() if p.name.startswith(".tmp-")) == []
+
+
+def test_curves_have_no_empty_legend_entry_and_the_lr_of_every_step(monkeypatch):
+    from raytrain_mp import run_log
+    from raytrain_mp.lr_schedule import make_schedule
+
+    figures = []
+    monkeypatch.setattr(run_log, "png_bytes", lambda fig: figures.append(fig) or b"")
+    schedule = make_schedule(0.1, 512, 256, "linear", 1.0, 2, 5, "cosine")  # a 5-step warmup, 10 steps
+    epoch_rows = [
+        {"kind": "epoch", "global_step": str(5 * e), "epoch": str(e), "train_loss": "1.0", "val_loss": "1.5",
+         "val_accuracy": "0.5", "lr": repr(schedule(5 * e - 1))} for e in (1, 2)
+    ]  # fmt: skip
+    run_log.plot_curves(epoch_rows, schedule)  # no step rows (--log-every 0)
+    loss, _, lr = figures[-1].axes
+    assert [t.get_text() for t in loss.get_legend().get_texts()] == ["train (epoch)", "val"]
+    assert list(lr.lines[0].get_xdata()) == list(range(1, 11))
+    assert list(lr.lines[0].get_ydata()) == [schedule(s) for s in range(10)]  # warmup from 0.1 to 0.2, then decay
+    step_rows = [{"kind": "step", "global_step": str(s), "epoch": "1", "train_loss": "2.0"} for s in (2, 4)]
+    run_log.plot_curves(step_rows + epoch_rows, schedule)
+    assert [t.get_text() for t in figures[-1].axes[0].get_legend().get_texts()] == [
+        "train (running mean of the epoch)", "train (epoch)", "val"
+    ]  # fmt: skip
+    run_log.plot_curves([dict(row, global_step=str(10_000 * e)) for e, row in enumerate(epoch_rows, 1)], schedule)
+    assert len(figures[-1].axes[2].lines[0].get_xdata()) == run_log.LR_POINTS  # a long run: a sample of its steps
+
+
+@pytest.mark.parametrize("steps_per_epoch, expected", [(1, 1), (5, 1), (11, 2), (22, 5), (100, 25), (1000, 50)])
+def test_a_short_epoch_still_logs_a_few_step_rows(steps_per_epoch, expected):
+    from raytrain_mp.progress import log_interval
+
+    assert log_interval(None, steps_per_epoch) == expected
+    assert log_interval(0, steps_per_epoch) == 0 and log_interval(7, steps_per_epoch) == 7  # as given

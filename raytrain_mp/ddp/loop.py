@@ -101,7 +101,8 @@ def train_loop_per_worker(config: dict) -> None:
             f"{world} worker{'s' * (world > 1)} on {num_nodes} node{'s' * (num_nodes > 1)} from step {start_step}"
         )
         run = locate(cfg.storage_path, "--storage-path").child(cfg.name)
-        worker.log = RunLog(run, start_step, cfg.global_batch_size)  # metrics.csv, TensorBoard, curves.png
+        # metrics.csv, TensorBoard, curves.png (its lr panel: the schedule at every step)
+        worker.log = RunLog(run, start_step, cfg.global_batch_size, schedule_for(cfg, data.steps_per_epoch))
     worker.progress = Progress(cfg.epochs, data.steps_per_epoch, cfg.global_batch_size, start_step, cfg.log_every)
 
     for epoch in range(start_epoch, cfg.epochs):

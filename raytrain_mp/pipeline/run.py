@@ -374,7 +374,7 @@ def train_epochs(
     checkpoint = latest_complete(run, CHECKPOINT_PREFIX, checkpoint_order)
     steps_per_epoch = trainer.steps_per_epoch
     start_epoch, start_step = position
-    log = RunLog(run, start_epoch * steps_per_epoch + start_step, cfg.global_batch_size)
+    log = RunLog(run, start_epoch * steps_per_epoch + start_step, cfg.global_batch_size, schedule)
     fault = FaultSpec.parse(cfg.inject_fault)
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
