@@ -56,6 +56,8 @@ CLOUD = "needs a cloud account or remote machines"
 AFTER = "tests/inference/test_after_training.py runs eval, predict and export on a ddp run's checkpoint"
 NOT_HERE = {
     "pip install -e '.[test,export]' && pytest": "this is .ci/run itself",
+    "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu && pip install -e .":
+        "it downloads torch from PyTorch's index again; .ci/run installs the default wheels",
     'pytest -m "not slow"': "the test suite itself, less its slow tests",
     "raytrain-mp pipeline --use-gpu --stages 4 --balance time --data data/cifar10": GPU,
     "scripts/gpu_check.sh": GPU + "; tests/test_gpu_readiness.py runs it here, where it skips every GPU step",
