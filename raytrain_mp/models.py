@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_mp.errors import UsageError
-from raytrain_mp.model_names import check_torchvision_name
+from raytrain_mp.model_names import check_torchvision_name, unknown_model
 
 if TYPE_CHECKING:
     from torch import nn
@@ -186,7 +186,8 @@ def _torchvision_model(
 def _torchvision_builder(name: str) -> Callable[..., nn.Module]:
     from torchvision import models as tv_models
 
-    check_torchvision_name(name)
+    if name not in tv_models.list_models(module=tv_models):  # torchvision is loaded here: its own list
+        raise unknown_model(name)
     return tv_models.get_model_builder(name)
 
 

@@ -158,7 +158,8 @@ def test_eval_reports_exactly_the_runs_own_validation(run, evaluated, workers):
         i = saved["class_names"].index(name)
         assert accuracy == confusion[i, i] / confusion[i].sum()
     assert (out / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert_ordinary_modes(out, run["run"], run["data"])  # also the run folder and data set others read
+    # What eval wrote into --out (pytest made the folder 0700), the run folder and the data set: readable by others.
+    assert_ordinary_modes(*out.iterdir(), run["run"], run["data"])
 
 
 def test_predict_gives_evals_classes_for_the_validation_images(run, evaluated, tmp_path):
