@@ -190,7 +190,9 @@ def test_ddp_fine_tunes_the_head_of_cached_weights_and_eval_and_predict_preproce
     argv = ["--model", "resnet18", "--weights", "IMAGENET1K_V1", "--data", data, "--seed", "3"]
     # What every worker builds before its first step (seeded as ddp.loop.build_ddp seeds it): the
     # cached file's tensors, unchanged, and a new head.
-    cfg = with_checked_data(DDPConfig(model="resnet18", weights="IMAGENET1K_V1", data=data, seed=3))
+    cfg = with_checked_data(
+        DDPConfig(model="resnet18", weights="IMAGENET1K_V1", data=data, seed=3, global_batch_size=6)
+    )
     assert (cfg.weights, cfg.preprocess) == (str(torch_home / "hub" / "checkpoints" / WEIGHTS_FILE), PREPROCESS)
     torch.manual_seed(cfg.seed)
     start = build_run_model(cfg, read_meta(data)).state_dict()
@@ -228,19 +230,25 @@ def test_ddp_fine_tunes_the_head_of_cached_weights_and_eval_and_predict_preproce
     )
 
 
+SMALL = "resize=40,crop=32,interpolation=bicubic,mean=0.485:0.456:0.406,std=0.229:0.224:0.225"
+
+
 @pytest.mark.slow
 def test_the_pipeline_loads_the_same_backbone_and_puts_the_new_head_on_its_last_stage(
     ray_session, torch_home, data, tmp_path, capsys
 ):
+    """Through two stage actors, on a small explicit ``--preprocess`` (the weights' 224 px costs the
+    ddp test's compute once; here the stages train the whole model)."""
     from raytrain_mp.data import read_meta
     from raytrain_mp.epochs import build_run_model
     from raytrain_mp.pipeline.config import PipelineConfig
     from raytrain_mp.pipeline.run import with_checked_inputs
 
     storage = str(tmp_path / "runs")
+    options = {"model": "resnet18", "weights": "ResNet18_Weights.IMAGENET1K_V1", "preprocess": SMALL}
     # What the driver builds and cuts into stages (seeded as run_pipeline seeds it): the backbone unchanged.
     cfg = with_checked_inputs(
-        PipelineConfig(model="resnet18", weights="IMAGENET1K_V1", data=data, storage_path=storage, name="piped")
+        PipelineConfig(**options, small_stem=False, data=data, global_batch_size=6, storage_path=storage)
     )
     torch.manual_seed(cfg.seed)
     start = build_run_model(cfg, read_meta(data)).state_dict()
@@ -249,16 +257,15 @@ def test_the_pipeline_loads_the_same_backbone_and_puts_the_new_head_on_its_last_
     assert start["fc.weight"].shape == (3, 512)
     capsys.readouterr()
     result = run_cli(
-        capsys, "pipeline", "--model", "resnet18", "--weights", "ResNet18_Weights.IMAGENET1K_V1", "--data", data,
+        capsys, "pipeline", *(f"--{k}={v}" for k, v in options.items()), "--no-small-stem", "--data", data,
         "--stages", "2", "--microbatches", "2", "--balance", "params", "--epochs", "1", "--global-batch-size", "6",
         "--storage-path", storage, "--name", "piped", "--log-every", "0", "--json",
     )  # fmt: skip
     assert result.code == 0, result
     assert "new head fc: 3 classes, freshly initialized from --seed (the weights' head has 1000)" in result.out
-    assert f"preprocessing {PREPROCESS}" in result.out
     summary = result.last_json
-    assert summary["stages"][-1]["blocks"][-1] == "fc"
+    assert summary["stages"][-1]["blocks"][-1] == "head"  # avgpool, flatten and fc: the last stage's
     trained = torch.load(summary["model"], weights_only=True)
-    assert trained["fc.weight"].shape == (3, 512)
+    tv_models.resnet18(num_classes=3).load_state_dict(trained, strict=True)
     run, _ = load_run(summary["run"])
-    assert run.preprocess == PREPROCESS
+    assert run.preprocess == SMALL and run.input_shape == (32, 32, 3)
