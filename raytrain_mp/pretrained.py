@@ -124,7 +124,9 @@ def fetch(weights: Any, say: Say | None = None) -> Path:
     return path
 
 
-def resolve(model: str, spec: str | None, preprocess: str | None, say: Say | None = None) -> tuple[str | None, str]:
+def resolve(
+    model: str, spec: str | None, preprocess: str | None, say: Say | None = None
+) -> tuple[str | None, str | None]:
     """(``--weights`` as the absolute path of a local state dict file or None, the run's
     ``--preprocess`` spec): a torchvision name is fetched into the cache, and its
     ``weights.transforms()`` becomes the preprocessing unless ``--preprocess`` says otherwise."""
@@ -135,7 +137,7 @@ def resolve(model: str, spec: str | None, preprocess: str | None, say: Say | Non
                 "accepted here: data, or resize=...,crop=...,interpolation=...,mean=...,std=..."
             )
         path = None if spec is None else str(Path(spec).expanduser().resolve())
-        return path, preprocess or "data"
+        return path, preprocess  # None stays None: a run without torchvision weights saves no preprocessing
     weights = torchvision_weights(model, spec)
     path = fetch(weights, say)
     if preprocess in (None, "weights"):
@@ -214,10 +216,9 @@ def fit_state(model: nn.Module, state: dict, source: str, say: Say | None = None
             fitted[key] = adapt_input_channels(theirs, tensor.shape[1]).to(tensor.dtype)
             adapted = (key, theirs.shape[1], tensor.shape[1])
         else:
+            small = key == f"{stem}.weight" and theirs.ndim == 4 and theirs.shape[2:] != tensor.shape[2:]
             hint = (
-                "; a ResNet below 64 px gets the small stem, torchvision weights need --no-small-stem"
-                if key == f"{stem}.weight"
-                else ""
+                "; a ResNet below 64 px gets the small stem, torchvision weights need --no-small-stem" if small else ""
             )
             _mismatch(
                 source, model, head, f"{key} is {_shape(theirs)} in the file, {_shape(tensor)} in the model{hint}"
