@@ -13,6 +13,7 @@ preprocessing (resize 256, crop 224, bilinear, ImageNet mean/std) in training, `
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +35,16 @@ PREPROCESS = "resize=256,crop=224,interpolation=bilinear,mean=0.485:0.456:0.406,
 
 
 def pretrained_state() -> dict[str, torch.Tensor]:
-    """What stands in for ImageNet weights: a seeded torchvision resnet18 of 1000 classes."""
-    torch.manual_seed(1234)
-    return tv_models.resnet18().state_dict()
+    """What stands in for ImageNet weights: a seeded torchvision resnet18 of 1000 classes (a new
+    dict of the same tensors each call, built once)."""
+    return dict(_pretrained_state())
+
+
+@functools.lru_cache(maxsize=1)
+def _pretrained_state() -> dict[str, torch.Tensor]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        return tv_models.resnet18().state_dict()
 
 
 @pytest.fixture

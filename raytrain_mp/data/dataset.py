@@ -68,7 +68,6 @@ class ParquetImageDataset(Dataset):
     ) -> None:
         self.root = str(root)
         self.preprocess = preprocess  # the run's --preprocess spec (``preprocessing``): None, data, or the weights'
-
         self.split = split
         self.augment = augment
         self.seed = seed
