@@ -190,30 +190,26 @@ def test_weights_not_in_the_cache_offline_name_the_file_and_where_to_put_it(data
 def test_ddp_fine_tunes_the_head_of_cached_weights_and_eval_and_predict_preprocess_as_it_did(
     ray_session, torch_home, data, tmp_path, capsys
 ):
+    from raytrain_mp.config import build_config
     from raytrain_mp.data import read_meta
     from raytrain_mp.ddp.config import DDPConfig
-    from raytrain_mp.ddp.trainer import with_checked_data
     from raytrain_mp.epochs import build_run_model
 
-    argv = ["--model", "resnet18", "--weights", "IMAGENET1K_V1", "--data", data, "--seed", "3"]
-    # What every worker builds before its first step (seeded as ddp.loop.build_ddp seeds it): the
-    # cached file's tensors, unchanged, and a new head.
-    cfg = with_checked_data(
-        DDPConfig(model="resnet18", weights="IMAGENET1K_V1", data=data, seed=3, global_batch_size=6)
-    )
+    storage = str(tmp_path / "runs")
+    summary = run_cli_json(
+        "ddp", "--model", "resnet18", "--weights", "IMAGENET1K_V1", "--data", data, "--seed", "3", "--freeze-backbone",
+        "--num-workers", "2", "--epochs", "1", "--global-batch-size", "6", "--base-lr", "0.5", "--storage-path",
+        storage, "--name", "tuned", "--log-every", "0",
+    )  # fmt: skip
+    # What every worker built before its first step, from the run's own config.yaml (seeded as
+    # ddp.loop.build_ddp seeds it): the cached file's tensors, unchanged, and a new head.
+    cfg = build_config(DDPConfig, {"config": str(Path(summary["checkpoint"]) / "config.yaml")})
     assert (cfg.weights, cfg.preprocess) == (str(torch_home / "hub" / "checkpoints" / WEIGHTS_FILE), PREPROCESS)
     torch.manual_seed(cfg.seed)
     start = build_run_model(cfg, read_meta(data)).state_dict()
     pretrained = pretrained_state()
     assert all(torch.equal(start[k], v) for k, v in pretrained.items() if not k.startswith("fc."))
     assert start["fc.weight"].shape == (3, 512)
-    capsys.readouterr()
-
-    storage = str(tmp_path / "runs")
-    summary = run_cli_json(
-        "ddp", *argv, "--freeze-backbone", "--num-workers", "2", "--epochs", "1", "--global-batch-size", "6",
-        "--base-lr", "0.5", "--storage-path", storage, "--name", "tuned", "--log-every", "0",
-    )  # fmt: skip
     trained = torch.load(summary["model"], weights_only=True)
     assert all(torch.equal(trained[k], v) for k, v in pretrained.items() if not k.startswith("fc."))  # frozen
     assert not torch.equal(trained["fc.weight"], start["fc.weight"])  # the head trained
