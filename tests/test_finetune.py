@@ -183,6 +183,18 @@ def test_weights_not_in_the_cache_offline_name_the_file_and_where_to_put_it(data
     assert not where.exists()
 
 
+def test_a_sweep_resolves_the_weights_for_its_trials_as_ddp_does(torch_home, data, tmp_path):
+    from raytrain_mp.config import build_config
+    from raytrain_mp.tune.config import TuneConfig
+    from raytrain_mp.tune.sweep import prepared
+
+    options = {"weights": "DEFAULT", "freeze_backbone": True, "backbone_lr_scale": "0.1", "data": data}
+    flags = {"storage_path": str(tmp_path / "runs"), "num_workers": "1", "global_batch_sizes": "6", **options}
+    template = prepared(build_config(TuneConfig, flags)).template()
+    assert (template.weights, template.preprocess) == (str(cached_path(tv_models.ResNet18_Weights.DEFAULT)), PREPROCESS)
+    assert (template.freeze_backbone, template.backbone_lr_scale) == (True, 0.1)
+
+
 # -- end to end ----------------------------------------------------------------------------------
 
 
