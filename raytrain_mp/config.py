@@ -35,6 +35,8 @@ import yaml
 from raytrain_mp.errors import UsageError
 from raytrain_mp.models import MODEL_HELP, check_model_syntax
 from raytrain_mp.optim import OPTIMIZERS
+from raytrain_mp.preprocessing import check_syntax as check_preprocess_syntax
+from raytrain_mp.pretrained import check_syntax as check_weights_syntax
 
 C = TypeVar("C")
 
@@ -46,13 +48,14 @@ LR_DECAYS = ("cosine", "step", "none")
 GROUPS = ("data", "model", "optimization", "distribution", "checkpoints", "sweep", "benchmark", "output")
 FIELD_GROUPS = {
     **dict.fromkeys(("data", "source", "val_fraction", "rows_per_shard", "num_samples", "image_size",
-                     "num_classes", "channels", "overwrite", "augment", "encoded", "loader_workers",
+                     "num_classes", "channels", "overwrite", "augment", "encoded", "loader_workers", "preprocess",
                      "loader_prefetch", "loader_batch_size", "num_images"), "data"),
     **dict.fromkeys(("model", "small_stem", "weights", "precision", "sync_bn", "deferred_bn",
                      "memory_format"), "model"),
     **dict.fromkeys(("epochs", "base_lr", "base_batch", "lr_rule", "warmup_epochs", "lr_decay", "step_epochs",
                      "gamma", "optimizer", "momentum", "weight_decay", "global_batch_size", "batch_size_per_worker",
-                     "grad_accum_steps", "clip_grad_norm", "lr", "seed"), "optimization"),
+                     "grad_accum_steps", "clip_grad_norm", "lr", "seed", "freeze_backbone",
+                     "backbone_lr_scale"), "optimization"),
     **dict.fromkeys(("address", "num_workers", "resize_interval", "resize_timeout", "use_gpu", "cpus_per_worker",
                      "placement", "stages", "replicas", "split_points", "balance", "schedule", "virtual_stages",
                      "microbatches", "steps_per_call", "cpus_per_stage", "bucket_cap_mb", "threads",
@@ -359,7 +362,18 @@ class TrainOptions:
     data: str | None = option(None, "prepared data set folder or URI; default: built-in digits")
     model: str = option("resnet18", f"model: {MODEL_HELP}")
     small_stem: bool | None = option(None, "ResNets: 3x3 stride-1 stem without max-pool (default: on below 64 px)")
-    weights: str | None = option(None, "state dict to start from (a model.pt)")
+    weights: str | None = option(
+        None,
+        "weights to start from: a state dict file (a model.pt), or torchvision weights of --model (DEFAULT, "
+        "IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2) from torchvision's cache (TORCH_HOME), downloaded when "
+        "missing; another class count gets a new seeded head, another channel count an adapted stem",
+    )
+    preprocess: str | None = option(
+        None,
+        "how images become the model's input: data (the data set's mean/std at its size), weights (torchvision "
+        "--weights' own resize, crop, interpolation, mean and std), or resize=R,crop=C,interpolation=I,mean=M:M:M,"
+        "std=S:S:S (default: weights with torchvision --weights, else data; saved with the run for eval and predict)",
+    )
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, else a new local Ray)")
     epochs: int = option(6, "training epochs")
     base_lr: float = option(
@@ -423,8 +437,8 @@ class TrainOptions:
         check(not (self.quiet and self.verbose), "quiet", "contradicts --verbose; accepted: one of them")
         check_writable("storage_path", self.storage_path)
         if self.weights is not None:
-            check_local("weights", self.weights, "a local model.pt (copy it from the store first)")
-            check(Path(self.weights).is_file(), "weights", f"no such file {self.weights}")
+            check_weights_syntax(self.weights)  # a name's weights: pretrained.resolve, once the model is known
+        check_preprocess_syntax(self.preprocess)
         if self.resume_from is not None:
             check_writable("resume_from", self.resume_from)  # a URI's scheme and bucket name
             check(

@@ -1,8 +1,9 @@
 """What both training loops (``ddp.loop``, ``pipeline.run``) decide around their epochs, once.
 
-The run's model in the run's dtype (from ``--precision``), when a checkpoint is due, and the line
-each epoch ends with. Functions of a training command's config, the data set and the position in
-the run (no Ray, no files):
+The run's model in the run's dtype (from ``--precision``) with its pretrained weights resolved on
+the driver (``with_checked_model``), when a checkpoint is due, and the line each epoch ends with.
+Functions of a training command's config, the data set and the position in the run (no Ray, no
+files but the weights' cache):
 
 - Positions count from 0 for epochs and in steps done: "after ``steps_done`` steps of epoch
   ``epoch``" is global step ``epoch * steps_per_epoch + steps_done``; an epoch's end is
@@ -16,12 +17,15 @@ the run (no Ray, no files):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
-from raytrain_mp.models import build_model
+from raytrain_mp.models import build_model, check_model
+from raytrain_mp.preprocessing import input_size
+from raytrain_mp.pretrained import resolve
 from raytrain_mp.readable import number
 
 
@@ -31,13 +35,34 @@ def run_dtype(precision: str) -> torch.dtype:
     return torch.float64 if precision == "fp64" else torch.float32
 
 
+def run_input_size(cfg: Any, meta: Any) -> int:
+    """The side of the run's model input: the data set's image size, or the crop of pretrained
+    weights' preprocessing (``preprocessing.input_size``)."""
+    return input_size(cfg.preprocess, meta.image_size)
+
+
 def build_run_model(cfg: Any, meta: Any) -> nn.Module:
     """The run's model for the data set ``meta`` describes, in the run's dtype (``models`` adapts
-    it to the data: channels, small stem, image size); the caller seeds it."""
+    it to the data: channels, small stem, the input size; ``--weights`` a file the driver resolved,
+    its head and stem fitted by ``pretrained``); the caller seeds it (a new head's init)."""
     model = build_model(
-        cfg.model, meta.num_classes, meta.channels, cfg.small_stem, cfg.weights, image_size=meta.image_size
+        cfg.model, meta.num_classes, meta.channels, cfg.small_stem, cfg.weights, image_size=run_input_size(cfg, meta)
     )
     return model.to(run_dtype(cfg.precision))
+
+
+def with_checked_model(cfg: Any, meta: Any) -> Any:
+    """``cfg`` with ``--weights`` resolved to a local state dict file and ``--preprocess`` to the run's
+    spec (``pretrained.resolve``: a torchvision name fetched into its cache, its preprocessing the
+    default), and the model built and probed on the input it will get (``models.check_model``).
+    For the driver, before Ray starts: the weights' lines (and the head's and stem's) print here
+    once, unless ``--quiet``."""
+    say = None if cfg.quiet else print
+    weights, preprocess = resolve(cfg.model, cfg.weights, cfg.preprocess, say)
+    cfg = dataclasses.replace(cfg, weights=weights, preprocess=preprocess)
+    size = run_input_size(cfg, meta)
+    check_model(cfg.model, meta.num_classes, meta.channels, size, cfg.small_stem, cfg.weights, say=say)
+    return cfg
 
 
 def due_by_steps(global_step: int, every_steps: int | None) -> bool:

@@ -4,8 +4,10 @@
 
 - a torchvision classifier, any of ``torchvision.models.list_models(module=torchvision.models)``
   (``resnet18``, ``mobilenet_v3_small``, ``vit_b_16``, ...), built with ``weights=None`` and the data
-  set's ``num_classes``: nothing is downloaded, weights are random (seeded by the caller) or read
-  from ``--weights``;
+  set's ``num_classes``: weights are random (seeded by the caller) or read from ``--weights``, a
+  state dict file, fitted by ``pretrained.fit_state`` (a new head for another class count, an
+  adapted stem for another channel count; torchvision weights names are fetched into torchvision's
+  cache and resolved to that file by ``pretrained.resolve``, on the driver);
 - ``package.module:callable``, the user's own network: the module is imported with the current
   working directory on ``sys.path`` (as ``python -m`` has it; the ``raytrain-mp`` console script
   does not), and the callable is called as ``callable(num_classes=K, in_channels=C, image_size=S)``
@@ -128,11 +130,13 @@ def build_model(
     weights: str | Path | None = None,
     *,
     image_size: int | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> nn.Module:
     """The model ``name`` (see the module docstring) for ``num_classes`` classes of
     ``in_channels`` x ``image_size`` x ``image_size`` images; ``small_stem`` None decides by
-    ``image_size`` (ResNets only). Raises ``UsageError`` for a name, module or callable that
-    gives no model; sizes are ``check_model``'s job."""
+    ``image_size`` (ResNets only); ``weights`` a state dict file loaded into it (``load_weights``,
+    whose head and stem lines go to ``say``). Raises ``UsageError`` for a name, module or callable
+    that gives no model; sizes are ``check_model``'s job."""
     if num_classes < 2:
         raise UsageError(f"num_classes must be >= 2, got {num_classes}")
     if is_callable_spec(name):
@@ -142,7 +146,7 @@ def build_model(
     else:
         model = _torchvision_model(name, num_classes, in_channels, image_size, small_stem)
     if weights is not None:
-        load_weights(model, weights)
+        load_weights(model, weights, say)
     return model
 
 
@@ -281,15 +285,17 @@ def check_model(
     image_size: int,
     small_stem: bool | None = None,
     weights: str | Path | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> None:
     """Build ``name`` for the data and run one probe forward; raise a one-line ``UsageError``
     (``--model: ...``, or ``--small-stem``/``--weights``) if it cannot train on it. Meant for the
-    driver, before any Ray worker starts; torch's global random state is left as it was."""
+    driver, before any Ray worker starts (``say`` gets the weights' head and stem lines); torch's
+    global random state is left as it was."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
         try:
-            model = build_model(name, num_classes, in_channels, small_stem, weights, image_size=image_size)
+            model = build_model(name, num_classes, in_channels, small_stem, weights, image_size=image_size, say=say)
             failure = _probe(model, in_channels, image_size)
         except SizeRefused as exc:
             model, failure = None, str(exc)
@@ -344,19 +350,10 @@ def _smallest_size(
     return None
 
 
-def load_weights(model: nn.Module, path: str | Path) -> None:
-    """Load a plain state dict (as written to ``model.pt``) with ``strict=True``."""
-    import torch
+def load_weights(model: nn.Module, path: str | Path, say: Callable[[str], None] | None = None) -> None:
+    """Load the state dict file ``path`` into ``model``, a new head and an adapted stem where only
+    those differ (``pretrained.fit_state``; torchvision weights names are resolved to their cached
+    file by the driver, ``pretrained.resolve``)."""
+    from raytrain_mp.pretrained import fit_state, read_state
 
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"--weights: no such file {path}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for a bad file
-        raise UsageError(f"--weights: {path} is not a torch state dict ({type(exc).__name__})") from exc
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        first = str(exc).splitlines()[1:2] or [str(exc)]
-        raise UsageError(f"--weights: {path} does not fit the model: {first[0].strip()}") from exc
+    fit_state(model, read_state(path), str(path), say)

@@ -1,8 +1,10 @@
 """Optimizers for every trainer: one construction, whichever strategy runs the model.
 
-Invariant: weight decay applies to conv and linear weights (tensors of two or more dimensions) and
+Invariants: weight decay applies to conv and linear weights (tensors of two or more dimensions) and
 never to BatchNorm parameters or biases (Goyal et al. 2017), so DDP workers, pipeline stages and a
-single-process reference build identical optimizers from the same parameters.
+single-process reference build identical optimizers from the same parameters. A per-parameter
+``lr_scale`` (fine-tuning's lower backbone lr, ``finetune.lr_scales``) splits the groups further by
+scale and sets each group's lr to ``lr * scale``; without one the groups are the two above.
 
 torch is imported when an optimizer is built: the command line needs ``OPTIMIZERS`` for its
 parser, and ``--help`` must not wait for torch.
@@ -10,7 +12,7 @@ parser, and ``--help`` must not wait for torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,20 +22,42 @@ if TYPE_CHECKING:
 OPTIMIZERS = ("sgd", "adamw")
 
 
-def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+def param_groups(
+    params: Iterable[nn.Parameter],
+    weight_decay: float,
+    lr: float | None = None,
+    lr_scale: Mapping[int, float] | None = None,
+) -> list[dict]:
+    """Decay and no-decay groups; with ``lr_scale`` (by ``id`` of parameter, 1 where absent) one
+    pair per scale, each with its ``lr``, scale 1 first."""
+    groups: dict[tuple[float, bool], list] = {}
     for p in params:
-        (decay if p.ndim > 1 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        scale = 1.0 if lr_scale is None else lr_scale.get(id(p), 1.0)
+        groups.setdefault((scale, p.ndim > 1), [])
+        groups[(scale, p.ndim > 1)].append(p)
+    scales = sorted({scale for scale, _ in groups}, key=lambda s: (s != 1.0, -s)) or [1.0]
+    out = []
+    for scale in scales:
+        for decays in (True, False):
+            group = {"params": groups.get((scale, decays), []), "weight_decay": weight_decay if decays else 0.0}
+            if lr_scale is not None and lr is not None:
+                group["lr"] = lr * scale
+            out.append(group)
+    return out
 
 
 def build_optimizer(
-    params: Iterable[nn.Parameter], name: str, lr: float, momentum: float, weight_decay: float
+    params: Iterable[nn.Parameter],
+    name: str,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    lr_scale: Mapping[int, float] | None = None,
 ) -> torch.optim.Optimizer:
     """SGD with momentum, or AdamW, over ``params`` grouped by ``param_groups``."""
     import torch
 
-    groups = param_groups(params, weight_decay)
+    groups = param_groups(params, weight_decay, lr, lr_scale)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum)
     if name == "adamw":

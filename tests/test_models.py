@@ -188,7 +188,10 @@ def test_weights_load_strict_and_a_misfit_is_one_line(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
     with pytest.raises(UsageError) as info:
         check_model("shufflenet_v2_x0_5", 10, 3, 32, weights=path)
-    assert str(info.value).startswith(f"--weights: {path} does not fit the model: size mismatch for conv1.0.weight")
+    assert str(info.value) == (
+        f"--weights: {path} fits neither the model nor the model with a new head (fc): first mismatch: conv1.0.weight "
+        "is 24x1x3x3 in the file, 24x3x3x3 in the model"
+    )
 
 
 def test_the_check_leaves_the_random_state_alone():

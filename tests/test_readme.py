@@ -114,6 +114,12 @@ NOT_HERE = {
     "raytrain-mp ddp --model mobilenet_v3_small --data data/syn --epochs 1":
         "an epoch of MobileNetV3 on 4,096 images, minutes on 2 cores; tests/test_models.py runs each model of "
         "docs/models.md's table, tests/test_user_model.py trains a module:callable",
+    **{command: "torchvision's ImageNet weights are downloaded (no network here); tests/test_finetune.py runs the "
+       "same fine-tuning, eval and predict with a stand-in file in a private TORCH_HOME" for command in (
+        "raytrain-mp ddp --model resnet18 --weights IMAGENET1K_V1 --freeze-backbone --data data/photos "
+        "--global-batch-size 8 --epochs 1 --name finetune",
+        "raytrain-mp predict --checkpoint ~/ray_results/finetune ~/photos/cat/0.jpg --top-k 2",
+    )},
     # eval, predict and export start Ray or load torch for seconds to a minute each; the suite's time goes elsewhere.
     "raytrain-mp eval --checkpoint ~/ray_results/lr-sweep --json": AFTER,
     "raytrain-mp predict --checkpoint ~/ray_results/lr-sweep my_digits/ --top-k 3":

@@ -64,8 +64,10 @@ class ParquetImageDataset(Dataset):
         augment: bool = False,
         seed: int = 0,
         meta: DatasetMeta | None = None,
+        preprocess: str | None = None,
     ) -> None:
         self.root = str(root)
+        self.preprocess = preprocess  # the run's --preprocess spec (``preprocessing``): None, data, or the weights'
         self.split = split
         self.augment = augment
         self.seed = seed
@@ -140,7 +142,7 @@ class ParquetImageDataset(Dataset):
         """What turns a batch of these items into the model's input on the training device."""
         h, w, _ = self.meta.image_shape
         pad = 0 if self.meta.encoded else pad_width(h, w)
-        return BatchTransform(tuple(self.meta.mean), tuple(self.meta.std), pad, self.augment)
+        return BatchTransform.for_run(self.meta, self.preprocess, pad, self.augment)
 
     def stored(self, index: int) -> bytes:
         """The image column's bytes of one sample: raw HWC pixels, or an encoded file."""

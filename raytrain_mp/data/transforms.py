@@ -13,15 +13,24 @@ Invariants:
   (top, left), then the horizontal flip. In float64 that is the same result bit for bit; in float32
   it differs only by float32 rounding of the normalization.
 - ``crop_flip`` works on any dtype, so on uint8 it is exactly the per-sample crop and flip.
+- With a ``preprocessing.Preprocess`` (pretrained weights' own, ``for_run``) the mean/std are the
+  weights' and, after the crop and flip, every image is resized (shorter side to ``resize``, the
+  weights' interpolation, antialiased) and center-cropped to ``crop``: the same in training,
+  ``eval`` and ``predict``, which all build their transform here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torchvision.transforms.v2 import InterpolationMode
+from torchvision.transforms.v2 import functional as TF
+
+from raytrain_mp.preprocessing import for_channels, of_spec
 
 
 def crop_flip(images: torch.Tensor, params: torch.Tensor, pad: int) -> torch.Tensor:
@@ -73,12 +82,26 @@ def normalization(
 @dataclass(frozen=True)
 class BatchTransform:
     """Normalization by the data set's per-channel ``mean``/``std`` (raw pixel units), then
-    ``crop_flip`` with ``pad`` when the loader drew augmentation (``augment``)."""
+    ``crop_flip`` with ``pad`` when the loader drew augmentation (``augment``), then (``resize``
+    above 0) Resize(``resize``, ``interpolation``) and CenterCrop(``crop``)."""
 
     mean: tuple[float, ...]
     std: tuple[float, ...]
     pad: int = 0
     augment: bool = False
+    resize: int = 0
+    crop: int = 0
+    interpolation: str = "bilinear"
+
+    @classmethod
+    def for_run(cls, meta: Any, preprocess: str | None, pad: int = 0, augment: bool = False) -> BatchTransform:
+        """The transform of a run over the data set ``meta`` with ``--preprocess`` spec ``preprocess``
+        (None or ``data``: the data set's mean/std at its own size)."""
+        spec = for_channels(of_spec(preprocess), meta.channels)
+        if spec is None:
+            return cls(tuple(meta.mean), tuple(meta.std), pad, augment)
+        mean, std = spec.pixel_mean_std()
+        return cls(mean, std, pad, augment, spec.resize, spec.crop, spec.interpolation)
 
     def __call__(
         self, images: torch.Tensor, params: torch.Tensor, device: torch.device, dtype: torch.dtype
@@ -86,4 +109,8 @@ class BatchTransform:
         x = images.to(device, non_blocking=True).to(dtype)
         mean, std = normalization(self.mean, self.std, device, dtype)
         x = (x - mean) / std
-        return crop_flip(x, params, self.pad) if self.augment else x
+        x = crop_flip(x, params, self.pad) if self.augment else x
+        if self.resize:
+            mode = InterpolationMode(self.interpolation)
+            x = TF.center_crop(TF.resize(x, [self.resize], interpolation=mode, antialias=True), [self.crop, self.crop])
+        return x

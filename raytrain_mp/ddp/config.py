@@ -50,6 +50,14 @@ class DDPConfig(TrainOptions):
     hold_at_step: str | None = option(
         None, "testing: STEP:MARKER holds every rank before global step STEP until MARKER exists", hidden=True
     )
+    freeze_backbone: bool = option(
+        False,
+        "train the classifier head only: every backbone tensor, BatchNorm statistics included, stays as --weights has "
+        "it (for small data)",
+    )
+    backbone_lr_scale: float = option(
+        1.0, "the backbone's learning rate as a fraction of the head's (e.g. 0.1 when fine-tuning --weights)"
+    )
     placement: str = option(
         "PACK", "worker placement: PACK fills a node first, SPREAD puts one per node where it can", DDP_PLACEMENTS
     )
@@ -74,6 +82,16 @@ class DDPConfig(TrainOptions):
         if self.hold_at_step is not None:
             at, _, marker = self.hold_at_step.partition(":")
             check(at.isdigit() and bool(marker), "hold_at_step", "accepted: STEP:MARKER")
+        check(
+            self.backbone_lr_scale > 0,
+            "backbone_lr_scale",
+            f"must be > 0, got {self.backbone_lr_scale} (--freeze-backbone trains the head only)",
+        )
+        check(
+            not self.freeze_backbone or self.weights is not None,
+            "freeze_backbone",
+            "needs --weights (a pretrained backbone to keep); accepted: with --weights, or --no-freeze-backbone",
+        )
         check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
         check(
             self.loader_workers is None or self.loader_workers >= 0,

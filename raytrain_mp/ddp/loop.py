@@ -15,7 +15,8 @@ independent of the number of workers:
 - The loss is a sum over the rank's samples divided by the all-reduced sample count of the whole
   optimizer step, times W because DDP averages gradients over ranks: the gradient is the
   single-process full-batch mean gradient, also when ranks hold different numbers of samples.
-- BatchNorm is synchronized (``convert_sync_batchnorm``) unless ``sync_bn`` is off.
+- BatchNorm is synchronized (``convert_sync_batchnorm``) unless ``sync_bn`` is off;
+  ``--freeze-backbone`` and ``--backbone-lr-scale`` (``finetune``) act on module paths only, alike on every rank.
 - Batches arrive as uint8 from ``--loader-workers`` loader processes and become the model's input
   on the device, in its dtype (``ParquetImageDataset.transform``); the augmentation they carry is
   keyed by (seed, epoch, index), so neither the process count nor a resume changes a batch.
@@ -67,6 +68,7 @@ from raytrain_mp.ddp.elastic import items_to_skip
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 from raytrain_mp.ddp.watch import rank_zero_console
 from raytrain_mp.epochs import build_run_model, checkpoint_due, epoch_line, run_dtype
+from raytrain_mp.finetune import freeze_backbone, lr_scales
 from raytrain_mp.lr_schedule import schedule_for
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import build_optimizer
@@ -156,8 +158,10 @@ def build_data(cfg: DDPConfig, rank: int, world: int, device: torch.device, dtyp
     """Per-rank batch of a fixed global batch; the val split is sharded without padding."""
     root = resolve_dataset(cfg.data)
     meta = read_meta(root)
-    train_ds = ParquetImageDataset(root, "train", augment=cfg.augment, seed=cfg.seed, meta=meta)
-    val_ds = ParquetImageDataset(root, "val", meta=meta)
+    train_ds = ParquetImageDataset(
+        root, "train", augment=cfg.augment, seed=cfg.seed, meta=meta, preprocess=cfg.preprocess
+    )
+    val_ds = ParquetImageDataset(root, "val", meta=meta, preprocess=cfg.preprocess)
     micro_batch = cfg.global_batch_size // (world * cfg.grad_accum_steps)
     sampler = EpochKeys(DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed))
     loading = {"workers": cfg.loaders, "prefetch": cfg.loader_prefetch, "pin": device.type == "cuda"}
@@ -178,6 +182,8 @@ def build_ddp(cfg: DDPConfig, meta, world: int, device: torch.device) -> Distrib
     model = build_run_model(cfg, meta)
     if cfg.sync_bn and world > 1:
         model = convert_sync_batchnorm(model, device=device)
+    if cfg.freeze_backbone:  # after the conversion, whose new BatchNorm layers would not keep the freeze
+        freeze_backbone(model)
     model.to(device)
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -187,7 +193,10 @@ def build_worker(
 ) -> Worker:
     """The optimizer at the schedule's peak lr, the schedule per global step, the fp16 GradScaler."""
     schedule = schedule_for(cfg, steps_per_epoch)
-    optimizer = build_optimizer(ddp.parameters(), cfg.optimizer, schedule.peak_lr, cfg.momentum, cfg.weight_decay)
+    scales = lr_scales(ddp.module, cfg.backbone_lr_scale) if cfg.backbone_lr_scale != 1 else None
+    optimizer = build_optimizer(
+        ddp.parameters(), cfg.optimizer, schedule.peak_lr, cfg.momentum, cfg.weight_decay, lr_scale=scales
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     autocast = autocast_for(cfg.precision, device)

@@ -37,25 +37,24 @@ from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.loop import train_loop_per_worker
 from raytrain_mp.ddp.watch import Watch
+from raytrain_mp.epochs import with_checked_model
 from raytrain_mp.errors import RunFailedError, UsageError
 from raytrain_mp.faults import first_line, short_cause
 from raytrain_mp.interruption import Interrupted
-from raytrain_mp.models import check_model
 from raytrain_mp.progress import Console
 from raytrain_mp.storage import check_reachable, join, locate, name_of
 
 
 def with_checked_data(cfg: DDPConfig) -> DDPConfig:
     """``cfg`` with its data set resolved (the built-in default prepared), every shard checked, and
-    the model built and probed on the data's image shape (``models.check_model``).
+    the model built and probed on the data's image shape (``epochs.with_checked_model``: ``--weights``
+    resolved to a local file, ``--preprocess`` to the run's spec).
 
     Needs no Ray, so a bad data set or model is reported before any cluster resource is requested."""
     data, meta = checked_dataset(cfg.data, cfg.global_batch_size, "--global-batch-size")
-    check_model(cfg.model, meta.num_classes, meta.channels, meta.image_size, cfg.small_stem, cfg.weights)
+    cfg = with_checked_model(cfg, meta)  # --weights: a local file from here on; --preprocess: the run's spec
     check_reachable(locate(cfg.storage_path, "--storage-path"), "--storage-path")
-    return dataclasses.replace(
-        cfg, data=absolute_path(data), weights=absolute_path(cfg.weights), resume_from=absolute_path(cfg.resume_from)
-    )
+    return dataclasses.replace(cfg, data=absolute_path(data), resume_from=absolute_path(cfg.resume_from))
 
 
 def with_cluster_settings(cfg: DDPConfig) -> DDPConfig:

@@ -9,7 +9,8 @@ URI of any of these.
 
 Invariants:
 - The model is rebuilt from the run's own ``config.yaml`` (``model``, ``small_stem``,
-  ``precision``, ``data``) and the metadata of the data set it trained on (classes, channels,
+  ``precision``, ``data``, ``preprocess``: pretrained weights' resize, crop and mean/std, which
+  ``transform`` applies as the run did) and the metadata of the data set it trained on (classes, channels,
   image size, class names, mean/std), with ``models.build_model``, so the user names nothing else;
   a ``package.module:callable`` model is rebuilt by calling it again. ``model.pt`` loads with
   ``strict=True``.
@@ -29,7 +30,9 @@ import yaml
 
 from raytrain_mp.checkpointing import CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, missing_files, published_checkpoints
 from raytrain_mp.data.format import DatasetMeta, read_meta
+from raytrain_mp.data.transforms import BatchTransform
 from raytrain_mp.errors import UsageError
+from raytrain_mp.preprocessing import input_size
 from raytrain_mp.storage import COMPLETE_MARKER, Location, locate
 from raytrain_mp.tune.config import SWEEP_FILE, metric_mode
 
@@ -109,6 +112,22 @@ class TrainedRun:
     def model_name(self) -> str:
         return self.options["model"]
 
+    @property
+    def preprocess(self) -> str | None:
+        """The run's ``--preprocess`` spec as it trained (``preprocessing``; None: the data set's own)."""
+        return self.options.get("preprocess")
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """(H, W, C) of the model's input: the data set's image shape, or the preprocessing's crop."""
+        h, w, c = self.meta.image_shape
+        size = input_size(self.preprocess, max(h, w))
+        return (h, w, c) if size == max(h, w) else (size, size, c)
+
+    def transform(self) -> BatchTransform:
+        """What turns a batch of the split's uint8 images into the model's input, as the run's evaluation did."""
+        return BatchTransform.for_run(self.meta, self.preprocess)
+
     def dtype(self):
         import torch
 
@@ -120,8 +139,9 @@ class TrainedRun:
         from raytrain_mp.models import build_model
 
         meta = self.meta
+        size = input_size(self.preprocess, meta.image_size)
         model = build_model(
-            self.model_name, meta.num_classes, meta.channels, self.options.get("small_stem"), image_size=meta.image_size
+            self.model_name, meta.num_classes, meta.channels, self.options.get("small_stem"), image_size=size
         )
         state = read_state(locate(self.checkpoint, OPTION)) if state is None else state
         try:

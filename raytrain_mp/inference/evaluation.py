@@ -11,7 +11,8 @@ to rank 0 and put back in sample order.
 Invariants: every sample of the split counts exactly once whatever W; on the data and split the run
 validated on, the accuracy and count are exactly the run's last ``val_accuracy`` and ``val_count``
 and the loss agrees within float rounding of the sum; images are normalized with the mean/std of
-the data set the run trained on (also for ``--data`` of another data set, whose classes and image
+the data set the run trained on (or resized, cropped and normalized as its pretrained weights have
+it: ``TrainedRun.transform``) (also for ``--data`` of another data set, whose classes and image
 shape must be the model's, checked before Ray starts).
 """
 
@@ -34,7 +35,6 @@ from raytrain_mp.cluster import check_fits, resolve_use_gpu, train_log_level
 from raytrain_mp.config import absolute_path
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.loader import EpochKeys, make_loader
-from raytrain_mp.data.transforms import BatchTransform
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum
 from raytrain_mp.ddp.loop import autocast_for
 from raytrain_mp.errors import UsageError
@@ -101,7 +101,7 @@ def eval_loop_per_worker(config: dict) -> None:
     loader = make_loader(
         dataset, BATCH, EpochKeys(ShardSampler(len(dataset), rank, world)), workers=0, persistent=False
     )
-    to_input = partial(BatchTransform(tuple(run.meta.mean), tuple(run.meta.std)), device=device, dtype=dtype)
+    to_input = partial(run.transform(), device=device, dtype=dtype)
     k = meta.num_classes
     top = min(TOP_K, k)
     confusion = torch.zeros(k * k, dtype=torch.float64, device=device)

@@ -151,16 +151,16 @@ def with_checked_inputs(cfg: ExportConfig):
 
 def run_export(cfg: ExportConfig) -> dict:
     run, model = with_checked_inputs(cfg)
-    meta = run.meta
-    height, width, channels = meta.image_shape
+    meta, transform = run.meta, run.transform()
+    height, width, channels = run.input_shape  # the crop of pretrained weights' preprocessing, else the data's
     difference = export_model(model, cfg.format, cfg.out, channels, height, width)
     return {
         "out": str(Path(cfg.out).expanduser().resolve()),
         "format": cfg.format,
         "checkpoint": run.checkpoint,
         "input": ["batch", channels, height, width],
-        "mean": meta.mean,
-        "std": meta.std,
+        "mean": list(transform.mean),
+        "std": list(transform.std),
         "class_names": meta.class_names,
         "max_abs_difference": difference,
         "checked_batches": list(CHECK_BATCHES),

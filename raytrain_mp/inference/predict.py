@@ -4,7 +4,8 @@ Every file is decoded and preprocessed on the driver first (``images``: as the r
 split is), so a bad file stops the command before anything runs. Fewer than ``RAY_THRESHOLD``
 files are predicted in this process; more go to Ray tasks of ``CHUNK`` images each, every task
 rebuilding the model from the checkpoint. Batches are normalized with the training data's
-mean/std (``BatchTransform``) and run in eval mode, in the run's dtype and autocast, as the
+mean/std, or resized, cropped and normalized as the run's pretrained weights have it
+(``TrainedRun.transform``), and run in eval mode, in the run's dtype and autocast, as the
 trainers' evaluation runs them, so the classes are those ``eval`` predicts for the same images.
 """
 
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from raytrain_mp.data.transforms import BatchTransform
 from raytrain_mp.ddp.loop import autocast_for
 from raytrain_mp.inference.checkpoint import TrainedRun, load_run
 from raytrain_mp.inference.config import PredictConfig
@@ -48,7 +48,7 @@ def probabilities(run: TrainedRun, images: list[torch.Tensor], model=None) -> to
     """Softmax probabilities (N, K) of uint8 images, in batches of ``BATCH``."""
     model = model if model is not None else run.build()
     device = torch.device("cpu")
-    transform = BatchTransform(tuple(run.meta.mean), tuple(run.meta.std))
+    transform = run.transform()
     autocast = autocast_for(run.precision, device)
     out = []
     with torch.no_grad():

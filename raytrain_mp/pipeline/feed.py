@@ -53,6 +53,7 @@ class StageData:
     loader_workers: int = 0
     loader_prefetch: int = 2
     val_batch_size: int | None = None  # None: global_batch_size
+    preprocess: str | None = None  # the run's --preprocess spec (``preprocessing``): None, data, or the weights'
 
     def check(self, meta: DatasetMeta) -> None:
         if self.loader_workers < 0 or self.loader_prefetch < 1:
@@ -121,8 +122,10 @@ class StageFeed:
         self.data = data
         self.share = data.global_batch_size // num_replicas
         self.start = replica * self.share
-        train = ParquetImageDataset(data.root, "train", augment=data.augment, seed=data.seed, meta=meta)
-        val = ParquetImageDataset(data.root, "val", meta=meta)
+        train = ParquetImageDataset(
+            data.root, "train", augment=data.augment, seed=data.seed, meta=meta, preprocess=data.preprocess
+        )
+        val = ParquetImageDataset(data.root, "val", meta=meta, preprocess=data.preprocess)
         self._train_labels, self._val_labels = torch.tensor(train.labels), torch.tensor(val.labels)
         self._length = len(train)
         self.reads = 0  # samples this actor read: images on the first stage, else labels

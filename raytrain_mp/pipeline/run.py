@@ -72,11 +72,17 @@ from raytrain_mp.checkpointing import (
 from raytrain_mp.config import FaultSpec, absolute_path, to_yaml
 from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
-from raytrain_mp.epochs import build_run_model, checkpoint_due, due_by_steps, epoch_line
+from raytrain_mp.epochs import (
+    build_run_model,
+    checkpoint_due,
+    due_by_steps,
+    epoch_line,
+    run_input_size,
+    with_checked_model,
+)
 from raytrain_mp.errors import RunFailedError, UsageError
 from raytrain_mp.interruption import Interrupted
 from raytrain_mp.lr_schedule import schedule_for
-from raytrain_mp.models import check_model
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
 from raytrain_mp.pipeline.blocks import flatten_model
 from raytrain_mp.pipeline.config import PipelineConfig, as_flag_error
@@ -93,10 +99,9 @@ def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
     """``cfg`` with data resolved and checked, the stage cut checked against the model's blocks,
     and the run's name and storage folder fixed: everything that needs no Ray."""
     data, meta = checked_dataset(cfg.data, cfg.global_batch_size, "--global-batch-size")
-    check_model(cfg.model, meta.num_classes, meta.channels, meta.image_size, cfg.small_stem, cfg.weights)
+    cfg = with_checked_model(cfg, meta)  # --weights: a local file from here on; --preprocess: the run's spec
     model = build_run_model(cfg, meta)
-    # A model cut from its traced graph learns there which shapes cross each cut.
-    example = torch.zeros(2, meta.channels, meta.image_size, meta.image_size, dtype=next(model.parameters()).dtype)
+    example = profile_batch(model, meta, 2, run_input_size(cfg, meta))  # a traced cut learns the shapes crossing it
     try:
         names = [block.name for block in flatten_model(model, example)]
         check_stage_count(len(names), cfg.stages * cfg.virtual_stages)
@@ -172,11 +177,11 @@ def step_segments(first: int, steps_per_epoch: int, epoch: int, every: int | Non
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def profile_batch(model: nn.Module, meta, batch_size: int) -> torch.Tensor:
-    """A batch of the data's shape to profile and trace on: standard normal values, as normalized
-    images have, drawn from a generator of its own (the run's random state stays as it was)."""
+def profile_batch(model: nn.Module, meta, batch_size: int, size: int) -> torch.Tensor:
+    """A batch of the model input's shape (``size`` square) to profile and trace on: standard normal values, as
+    normalized images have, drawn from a generator of its own (the run's random state stays as it was)."""
     dtype = next(model.parameters()).dtype
-    shape = (batch_size, meta.channels, meta.image_size, meta.image_size)
+    shape = (batch_size, meta.channels, size, size)
     return torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
 
 
@@ -197,11 +202,13 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     torch.manual_seed(cfg.seed)
     meta = read_meta(cfg.data)
     model = build_run_model(cfg, meta)
-    data = StageData(cfg.data, cfg.global_batch_size, cfg.seed, cfg.augment, cfg.loader_workers, cfg.loader_prefetch)
+    reading = (cfg.data, cfg.global_batch_size, cfg.seed, cfg.augment, cfg.loader_workers, cfg.loader_prefetch)
+    data = StageData(*reading, preprocess=cfg.preprocess)
     steps_per_epoch = meta.counts["train"] // cfg.global_batch_size
     schedule = schedule_for(cfg, steps_per_epoch)
     run = run_location(cfg)
-    sample = profile_batch(model, meta, cfg.global_batch_size)  # what time balancing profiles
+    # what time balancing profiles
+    sample = profile_batch(model, meta, cfg.global_batch_size, run_input_size(cfg, meta))
     console = Console(quiet=cfg.quiet)
 
     failures = 0

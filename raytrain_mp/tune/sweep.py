@@ -60,7 +60,8 @@ def prepared(cfg: Any) -> Any:
     run in their own folders) and the experiment named; needs no Ray. ``data`` stays as the user
     gave it (None: the built-in default), so ``sweep.yaml`` and ``best.yaml`` do not pin this
     machine's cache folder; ``run_sweep`` resolves it for the trials."""
-    data = with_checked_data(dataclasses.replace(cfg.template(), global_batch_size=min(cfg.global_batch_sizes))).data
+    checked = with_checked_data(dataclasses.replace(cfg.template(), global_batch_size=min(cfg.global_batch_sizes)))
+    data = checked.data
     train_count = read_meta(data).counts["train"]
     too_big = [b for b in cfg.global_batch_sizes if b > train_count]
     if too_big:
@@ -68,7 +69,8 @@ def prepared(cfg: Any) -> Any:
     cfg = dataclasses.replace(
         cfg,
         data=absolute_path(cfg.data),
-        weights=absolute_path(cfg.weights),
+        weights=checked.weights,  # a torchvision name resolved to its cached file, as ddp's driver does
+        preprocess=checked.preprocess,
         storage_path=absolute_path(cfg.storage_path),
         name=cfg.name or time.strftime("tune-%Y%m%d-%H%M%S"),
     )
