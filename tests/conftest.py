@@ -78,14 +78,24 @@ def bucket(s3_endpoint, request) -> str:
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Skip ``gpu(n)`` tests where fewer than n CUDA devices exist, saying how many there are; run
-    the files with the most slow tests first. The suite runs on two workers, each file whole on
-    one (``--dist loadfile``); the longest file begun last would run on alone at the end."""
+    the slowest files first. The suite runs on two workers, each file whole on one (``--dist
+    loadfile``, handed out in this order: ``--no-loadscope-reorder``); the longest file begun last
+    would run on alone at the end. A file's weight is its measured seconds (``tests/durations.json``)
+    or, for a file not measured yet, 30 s a slow test."""
+    import json
     from collections import Counter
+    from pathlib import Path
 
     import torch
 
+    root = Path(__file__).resolve().parents[1]
+    measured = json.loads((root / "tests" / "durations.json").read_text())
     slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests keep their order
+
+    def weight(item) -> float:
+        return measured.get(item.path.relative_to(root).as_posix(), 30 * slow[item.path])
+
+    items.sort(key=lambda item: -weight(item))  # stable: a file's tests keep their order
 
     have = torch.cuda.device_count()
     for item in items:
