@@ -2,8 +2,8 @@
 
 Invariants: every bad input ends as one line ``raytrain-mp: error: ...`` on stderr and exit code 2
 (argparse's own errors included), raised before Ray starts or any output is written; a run that
-fails for good (its restarts used up) ends as one line ``raytrain-mp: failed: ...`` and exit code 1; Ctrl-C or
-SIGTERM ends a command with one line on stderr and exit code 130 or 143 (``interruption``); with
+fails for good (its restarts used up) ends as one line ``raytrain-mp: failed: ...`` and exit code 1; Ctrl-C,
+SIGTERM or SIGHUP ends a command with one line on stderr and exit code 130, 143 or 129 (``interruption``); with
 ``--json`` the last line of stdout is one JSON object describing the result, at full precision;
 without it the result prints as ``key: value`` lines whose floats have 4 significant digits.
 """

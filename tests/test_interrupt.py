@@ -1,7 +1,8 @@
-"""Ctrl-C and SIGTERM during ``raytrain-mp ddp`` and ``pipeline``, as a user sends them: the command
-exits 130 (143) with one line that names the last checkpoint, leaves no process it started behind,
-and the same command run again (with ``--quiet``: only the JSON line) continues from that
-checkpoint and finishes with a whole run log.
+"""Ctrl-C, SIGTERM and SIGKILL during ``raytrain-mp ddp`` and ``pipeline``, as a user (or the OOM
+killer) sends them: the command exits 130 (143) with one line that names the last checkpoint (a
+SIGKILLed one says nothing), leaves no process it started behind, and the same command run again
+(with ``--quiet``: only the JSON line) continues from that checkpoint and finishes with a whole run
+log.
 
 Each command runs as a user types it (its own local Ray, a fresh HOME). The ddp run is held before
 global step 8 (``--hold-at-step``), so it is mid-epoch on any machine; it runs on a
@@ -28,6 +29,7 @@ import uuid
 import pyarrow.fs as pafs
 import pytest
 
+from raytrain_mp.checkpointing import published_checkpoints
 from raytrain_mp.progress import ERASE_LINE
 from raytrain_mp.storage import locate, name_of
 
@@ -181,14 +183,23 @@ def interrupt_when(argv: list[str], env: dict[str, str], seen: str, signum: int)
     return process.wait(timeout=120), "".join(out)
 
 
+def left_after(marker: str, seconds: float) -> list[str]:
+    """The processes with ``marker`` still there ``seconds`` from now."""
+    time.sleep(seconds)
+    return processes_with(marker)
+
+
 @pytest.mark.parametrize(("command", "storage", "signum"), [
     ("pipeline", "local", signal.SIGINT),
     ("pipeline", "s3", signal.SIGTERM),
-    ("ddp", "s3", signal.SIGINT),
+    ("pipeline", "local", signal.SIGKILL),
+    ("ddp", "s3", signal.SIGKILL),  # ddp's Ctrl-C: the terminal test above
 ])  # fmt: skip
 def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(
     tmp_path, digits_dir, request, command, storage, signum
 ):
+    """SIGKILL (``kill -9``, the OOM killer): no line, but nothing of the command's local Ray is
+    left 10 s later (``watchdog``), and the rerun continues from the last checkpoint published."""
     marker = uuid.uuid4().hex
     env = command_env(tmp_path, marker)
     where = request.getfixturevalue("bucket") if storage == "s3" else str(tmp_path / "runs")
@@ -206,6 +217,13 @@ def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(
     if command == "ddp":
         argv += ["--num-workers", "1"]
     status, out = interrupt_when(argv, env, "epoch 1/1 step 4/22 ", signum)
+    if signum == signal.SIGKILL:
+        assert status == -signal.SIGKILL, out[-3000:]
+        assert left_after(marker, 10) == []
+        published = published_checkpoints(locate(where, "--storage-path").child(f"{command}-{storage}"))[1]
+        assert published, out[-2000:]  # step 4 was shown: the checkpoint after step 2 at least
+        rerun_continues(argv, env, published[-1].uri, None)
+        return
     assert status == 128 + signum, out[-3000:]
     found = LINE.search(out)
     assert found and int(found.group(1)) >= 4 and found.group(3) == f"{command}-{storage}", out[-2000:]

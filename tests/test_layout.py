@@ -35,6 +35,7 @@ SHARED_MODULES = {
     "progress",
     "run_log",
     "storage",
+    "watchdog",
 }
 CAPABILITIES = {"ddp", "pipeline", "tune", "bench", "inference"}
 # What each unit may import besides itself. "shared" is the top-level shared modules.
