@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from raytrain_mp.bench.config import BenchDataConfig, BenchDDPConfig, BenchPipelineConfig
@@ -57,14 +57,15 @@ def readable(value: Any) -> Any:
     return value
 
 
-def emit(result: dict, as_json: bool, title: str) -> None:
+def emit(result: dict, as_json: bool, title: str, brief: Callable[[dict], dict] | None = None) -> None:
     """The result: one JSON line at full precision with ``--json``, else the title and one
-    ``key: value`` line each, floats as a person reads them."""
+    ``key: value`` line each, floats as a person reads them; ``brief`` shortens the result for
+    that (the pipeline's stages: a line each)."""
     if as_json:
         print(json.dumps(result, default=str))
         return
     print(title)
-    for key, value in result.items():
+    for key, value in (brief(result) if brief else result).items():
         print(f"  {key}: {readable(value)}")
 
 
@@ -98,18 +99,18 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_on_ray(cfg, run, as_json: bool, title: str, quiet: bool = False) -> dict:
+def run_on_ray(cfg, run, as_json: bool, title: str, quiet: bool = False, brief=None) -> dict:
     """Join (or start) Ray for ``cfg.address``, run, and print the result; Ray starts only now,
     after the config and its data passed every check."""
     from raytrain_mp.cluster import ray_connection
 
     with ray_connection(cfg.address, cfg.verbose, quiet):
         result = run(cfg)
-    emit(result, as_json, title)
+    emit(result, as_json, title, brief)
     return result
 
 
-def finished_already(cfg, command: str, as_json: bool) -> bool:
+def finished_already(cfg, command: str, as_json: bool, brief=None) -> bool:
     """A rerun of a finished run (same ``--storage-path`` and ``--name``, no more ``--epochs``)
     prints that run's summary and starts nothing; more epochs continue it."""
     from raytrain_mp.checkpointing import finished_result
@@ -123,6 +124,7 @@ def finished_already(cfg, command: str, as_json: bool) -> bool:
             result,
             as_json,
             f"{command} run {cfg.name} already finished {result['epochs']} epochs (raise --epochs to continue it)",
+            brief,
         )
     return result is not None
 
@@ -137,11 +139,11 @@ def cmd_ddp(args: argparse.Namespace) -> int:
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
-    from raytrain_mp.pipeline.run import run_pipeline, with_checked_inputs
+    from raytrain_mp.pipeline.run import run_pipeline, text_summary, with_checked_inputs
 
     cfg = with_checked_inputs(build_config(PipelineConfig, args))
-    if not finished_already(cfg, "pipeline", args.json):
-        run_on_ray(cfg, run_pipeline, args.json, "pipeline training finished", cfg.quiet)
+    if not finished_already(cfg, "pipeline", args.json, text_summary):
+        run_on_ray(cfg, run_pipeline, args.json, "pipeline training finished", cfg.quiet, text_summary)
     return 0
 
 
