@@ -139,7 +139,8 @@ def cmd_ddp(args: argparse.Namespace) -> int:
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
-    from raytrain_mp.pipeline.run import run_pipeline, text_summary, with_checked_inputs
+    from raytrain_mp.pipeline.run import run_pipeline, with_checked_inputs
+    from raytrain_mp.pipeline.summary import text_summary
 
     cfg = with_checked_inputs(build_config(PipelineConfig, args))
     if not finished_already(cfg, "pipeline", args.json, text_summary):

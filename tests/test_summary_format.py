@@ -41,7 +41,7 @@ def test_json_summary_keeps_full_precision(capsys):
 def test_pipeline_stages_print_one_short_line_each(capsys):
     """141 blocks over 2 stages on nodes with 64-hex ids: a line a stage (first and last block,
     counts, the node's first 8 hex), none over 160 characters; the JSON line keeps every block."""
-    from raytrain_mp.pipeline.run import text_summary
+    from raytrain_mp.pipeline.summary import text_summary
 
     blocks = [f"features.{i}.block.{j}" for i in range(47) for j in range(3)]
     stages = [
