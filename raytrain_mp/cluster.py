@@ -36,7 +36,7 @@ from contextlib import contextmanager
 
 import ray
 
-from raytrain_mp import watchdog
+import raytrain_mp.watchdog as watchdog
 from raytrain_mp.errors import UsageError
 from raytrain_mp.interruption import rearm
 
