@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "raytrain_mp"
 
 SHARED_MODULES = {
     "allocator",
+    "bn_momentum",
     "checkpointing",
     "cluster",
     "config",

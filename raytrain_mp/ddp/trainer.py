@@ -33,15 +33,17 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raytrain_mp.checkpointing import MODEL_FILE, write_result
 from raytrain_mp.cluster import check_fits, environment, resolve_use_gpu, train_log_level
 from raytrain_mp.config import absolute_path
+from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.loop import train_loop_per_worker
 from raytrain_mp.ddp.watch import Watch
+from raytrain_mp.epochs import running_stats_note
 from raytrain_mp.errors import RunFailedError, UsageError
 from raytrain_mp.faults import first_line, short_cause
 from raytrain_mp.interruption import Interrupted
 from raytrain_mp.models import check_model
-from raytrain_mp.progress import Console
+from raytrain_mp.progress import Console, note
 from raytrain_mp.storage import check_reachable, join, locate, name_of
 
 
@@ -160,4 +162,6 @@ def run_ddp(cfg: DDPConfig) -> dict:
     finally:
         watch.console.end_line()  # what follows (a traceback, the interrupt's line) starts on a line of its own
     write_result(run, summary)
+    meta = read_meta(cfg.data)
+    note(running_stats_note(cfg, meta, (summary["epochs"] or 0) * (meta.counts["train"] // cfg.global_batch_size)))
     return summary

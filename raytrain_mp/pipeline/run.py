@@ -56,6 +56,7 @@ import ray
 import torch
 from torch import nn
 
+from raytrain_mp.bn_momentum import convergence_note
 from raytrain_mp.checkpointing import (
     CHECKPOINT_PREFIX,
     MODEL_FILE,
@@ -84,7 +85,7 @@ from raytrain_mp.pipeline.feed import StageData
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
 from raytrain_mp.pipeline.replicas import replica_and_stage
 from raytrain_mp.pipeline.schedule import stage_times_bubble
-from raytrain_mp.progress import Console, Progress
+from raytrain_mp.progress import Console, Progress, note
 from raytrain_mp.run_log import RunLog
 from raytrain_mp.storage import Location, check_reachable, latest_complete, locate
 
@@ -240,6 +241,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                     summary = train_epochs(cfg, trainer, schedule, position, carried, run, progress, console)
                     result = {**summary, **placement_summary(trainer), "run": run.uri}
                     write_result(run, result)
+                    console.end_line()
+                    note(convergence_note(model, cfg.epochs * steps_per_epoch))
                     return result
                 finally:
                     trainer.shutdown()
@@ -268,49 +271,6 @@ def placement_summary(trainer: PipelineTrainer) -> dict:
         {"replica": replica, "stage": stage, "node_id": node} for (replica, stage), node in zip(places, trainer.nodes)
     ]
     return {"num_nodes": len(set(trainer.nodes)), "stages": stages, "actors": actors}
-
-
-def text_summary(result: dict) -> dict:
-    """The summary as a person reads it (without ``--json``): ``stages`` and ``actors`` become one
-    short line per stage (``stage 0``: first and last block, block and parameter counts, the node
-    where there is one replica) and per replica (its stages' nodes); block lists and full node ids
-    stay in the JSON line (and ``result.json``)."""
-    stages, actors = result.get("stages") or [], result.get("actors") or []
-    brief = {key: value for key, value in result.items() if key not in ("stages", "actors")}
-    replicas = {actor["replica"] for actor in actors}
-    for stage in stages:
-        on = f" on node {stage['node_id'][:8]}" if len(replicas) <= 1 and stage.get("node_id") else ""
-        blocks = stage["blocks"]
-        span = blocks[0] if len(blocks) == 1 else f"{blocks[0]} ... {blocks[-1]}"
-        size = f"{len(blocks)} block{'s' * (len(blocks) != 1)}, {count(stage['params'])} params"
-        brief[f"stage {stage['index']}"] = f"{span} ({size}){on}"
-    if len(replicas) > 1:
-        for replica in sorted(replicas):
-            nodes = [actor["node_id"] for actor in actors if actor["replica"] == replica]
-            brief[f"replica {replica}"] = stages_on_nodes(nodes)
-    return brief
-
-
-def count(number: int) -> str:
-    """``1.2M``, ``35.3k``, ``812``."""
-    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if number >= scale:
-            return f"{number / scale:.3g}{suffix}"
-    return str(number)
-
-
-def stages_on_nodes(nodes: list[str]) -> str:
-    """``stages 0-1 on node 5f35ab12, stage 2 on node 9a0c1d2e``: consecutive stages on one node together."""
-    runs: list[list] = []
-    for stage, node in enumerate(nodes):
-        if runs and runs[-1][2] == node:
-            runs[-1][1] = stage
-        else:
-            runs.append([stage, stage, node])
-    return ", ".join(
-        (f"stage {first}" if first == last else f"stages {first}-{last}") + f" on node {node[:8]}"
-        for first, last, node in runs
-    )
 
 
 def print_placement(trainer: PipelineTrainer, console: Console) -> None:
