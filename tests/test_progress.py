@@ -138,14 +138,15 @@ def test_the_interrupt_line_names_the_last_published_checkpoint_and_the_run(tmp_
     assert interrupted_line(Interrupted(signal.SIGINT)) == "interrupted"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_both_signals_raise_interrupted_within_the_block_only(signum):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_each_signal_raises_interrupted_within_the_block_only(signum):
+    """SIGHUP (a closed terminal or SSH session) as SIGTERM: the run stops cleanly, exit 129."""
     before = signal.getsignal(signum)
     with pytest.raises(Interrupted) as raised:
         with signals_interrupt():
             os.kill(os.getpid(), signum)  # Python runs the handler at the next instruction
             pytest.fail("no Interrupted")
-    assert raised.value.signum == signum
+    assert raised.value.signum == signum and raised.value.exit_code == 128 + signum
     assert signal.getsignal(signum) is before
 
 
