@@ -25,7 +25,9 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 
+import psutil
 import pyarrow.fs as pafs
 import pytest
 
@@ -166,10 +168,13 @@ def test_ctrl_c_on_a_terminal_stops_a_ddp_run_whose_progress_line_rewrites_in_pl
     assert_nothing_left(marker)
 
 
-def interrupt_when(argv: list[str], env: dict[str, str], seen: str, signum: int) -> tuple[int, str]:
-    """Run ``argv`` and, once its output holds ``seen``, send it ``signum``: SIGINT to its process
-    group, as a terminal's Ctrl-C; SIGTERM to the process, as ``kill`` does (the group would
-    include the local Ray's own processes, which Ray shields from SIGINT only). (exit status, output)"""
+def interrupt_when(
+    argv: list[str], env: dict[str, str], seen: str, signum: int, before: Callable[[int], object] = lambda pid: None
+) -> tuple[int, str]:
+    """Run ``argv`` and, once its output holds ``seen``, call ``before(pid)`` and send it ``signum``:
+    SIGINT to its process group, as a terminal's Ctrl-C; SIGTERM (SIGKILL) to the process, as
+    ``kill`` (``kill -9``) does (the group would include the local Ray's own processes, which Ray
+    shields from SIGINT only). (exit status, output)"""
     process = subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -177,16 +182,26 @@ def interrupt_when(argv: list[str], env: dict[str, str], seen: str, signum: int)
     for line in process.stdout:
         out.append(line)
         if seen in line:
+            before(process.pid)
             (os.killpg if signum == signal.SIGINT else os.kill)(process.pid, signum)
             break
     out.extend(process.stdout)
     return process.wait(timeout=120), "".join(out)
 
 
-def left_after(marker: str, seconds: float) -> list[str]:
-    """The processes with ``marker`` still there ``seconds`` from now."""
+def left_after(processes: list[psutil.Process], marker: str, seconds: float) -> list[str]:
+    """Of ``processes`` (the command's descendants when it was killed: its local Ray, the watchdog)
+    and of those with ``marker``, the ones still there ``seconds`` from now. Both: Ray's agents
+    re-title themselves over their environment, so the marker does not find them."""
     time.sleep(seconds)
-    return processes_with(marker)
+    left = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:  # is_running: not a reused pid
+                left.append(f"{process.pid} {process.name()}")
+        except psutil.Error:  # it ended while we looked
+            continue
+    return left + processes_with(marker)
 
 
 @pytest.mark.parametrize(("command", "storage", "signum"), [
@@ -199,7 +214,8 @@ def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(
     tmp_path, digits_dir, request, command, storage, signum
 ):
     """SIGKILL (``kill -9``, the OOM killer): no line, but nothing of the command's local Ray is
-    left 10 s later (``watchdog``), and the rerun continues from the last checkpoint published."""
+    left 10 s later (``watchdog``), and the rerun continues from the last checkpoint published,
+    with the losses the killed attempt showed for the steps both ran."""
     marker = uuid.uuid4().hex
     env = command_env(tmp_path, marker)
     where = request.getfixturevalue("bucket") if storage == "s3" else str(tmp_path / "runs")
@@ -216,13 +232,23 @@ def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(
     ]
     if command == "ddp":
         argv += ["--num-workers", "1"]
-    status, out = interrupt_when(argv, env, "epoch 1/1 step 4/22 ", signum)
+    descendants: list[psutil.Process] = []
+    status, out = interrupt_when(
+        argv, env, "epoch 1/1 step 4/22 ", signum, lambda pid: descendants.extend(psutil.Process(pid).children(True))
+    )
     if signum == signal.SIGKILL:
         assert status == -signal.SIGKILL, out[-3000:]
-        assert left_after(marker, 10) == []
+        assert len(descendants) > 3  # the local Ray: GCS, raylet, agents, workers; and the watchdog
+        assert left_after(descendants, marker, 10) == []
         published = published_checkpoints(locate(where, "--storage-path").child(f"{command}-{storage}"))[1]
         assert published, out[-2000:]  # step 4 was shown: the checkpoint after step 2 at least
-        rerun_continues(argv, env, published[-1].uri, None)
+        result = rerun_continues(argv, env, published[-1].uri, None)
+        # The killed attempt ran uninterrupted up to the kill: the rerun's steps logged past the
+        # checkpoint it resumed from have the losses that attempt printed for them.
+        shown = {int(step): loss for step, loss in re.findall(r"epoch 1/1 step (\d+)/22 loss (\S+)", out)}
+        rows = checked_run_log(result["run"], steps=STEPS, epochs=1, steps_per_epoch=STEPS, log_every=2)
+        logged = {int(r["global_step"]): f"{float(r['train_loss']):.4f}" for r in rows if r["kind"] == "step"}
+        assert {step: logged[step] for step in shown} == shown
         return
     assert status == 128 + signum, out[-3000:]
     found = LINE.search(out)
