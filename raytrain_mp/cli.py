@@ -22,7 +22,7 @@ from raytrain_mp.data.config import PrepareConfig
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.errors import EXIT_FAILED, EXIT_USAGE, RunFailedError, UsageError
 from raytrain_mp.inference.config import EvalConfig, ExportConfig, PredictConfig
-from raytrain_mp.interruption import Interrupted, signals_interrupt
+from raytrain_mp.interruption import Interrupted, carried_signal, signals_interrupt
 from raytrain_mp.pipeline.config import PipelineConfig
 from raytrain_mp.tune.config import TuneConfig
 
@@ -346,11 +346,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunFailedError as exc:
         print(f"{PROG}: failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except Interrupted as exc:  # the command has unwound: its workers and a Ray it started are stopped
+    except (Interrupted, SystemError) as exc:  # the command has unwound: its workers and a Ray it started are stopped
         from raytrain_mp.checkpointing import interrupted_line
 
-        print(f"{PROG}: {interrupted_line(exc)}", file=sys.stderr, flush=True)
-        return exc.exit_code
+        interrupted = carried_signal(exc)
+        if interrupted is None:
+            raise
+        print(f"{PROG}: {interrupted_line(interrupted)}", file=sys.stderr, flush=True)
+        return interrupted.exit_code
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ where the run stands.
   has unwound, which has stopped the workers and shut down a local Ray the command started
   (``cluster.ray_connection``), and exits with 128 + the signal's number (130, 143, 129), the status a
   shell reports for a process that signal ended.
+- Inside Ray's Cython calls (``ray.wait``, ``ray.get``) the handler's ``Interrupted`` comes out as
+  a ``SystemError`` whose cause it is; ``carried_signal`` finds it, and the run loops and ``cli``
+  treat that as the ``Interrupted`` itself.
 - A second signal while the first unwinds ends the process at once, without cleanup, with that
   signal's status: the way out of a shutdown that hangs.
 - ``uninterrupted()`` holds a signal back until its block ends: a write that a signal cut between
@@ -47,6 +50,17 @@ class Interrupted(BaseException):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+def carried_signal(exc: BaseException) -> Interrupted | None:
+    """The ``Interrupted`` that ``exc`` is or carries, else None. Ray's Cython calls (``ray.wait``,
+    ``ray.get``) run Python's signal handlers while they wait, and one whose handler raised ends
+    as ``SystemError: ... returned a result with an exception set``, the ``Interrupted`` its cause."""
+    if isinstance(exc, Interrupted):
+        return exc
+    if isinstance(exc, SystemError) and isinstance(exc.__cause__, Interrupted):
+        return exc.__cause__
+    return None
 
 
 _held: int | None = None  # the first signal that came inside uninterrupted()

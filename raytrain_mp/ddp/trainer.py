@@ -41,7 +41,7 @@ from raytrain_mp.ddp.watch import Watch
 from raytrain_mp.epochs import running_stats_note
 from raytrain_mp.errors import RunFailedError, UsageError
 from raytrain_mp.faults import first_line, short_cause
-from raytrain_mp.interruption import Interrupted
+from raytrain_mp.interruption import Interrupted, carried_signal
 from raytrain_mp.models import check_model
 from raytrain_mp.progress import Console, note
 from raytrain_mp.storage import check_reachable, join, locate, name_of
@@ -156,9 +156,12 @@ def run_ddp(cfg: DDPConfig) -> dict:
             summary = summarize(watch.fit(build_trainer(cfg).fit), cfg)
     except TrainingFailedError as exc:  # Ray Train used up --max-failures restarts
         raise RunFailedError.after_restarts(training_failure(exc), cfg.max_failures, cfg.max_failures) from None
-    except Interrupted as exc:
-        exc.at, exc.run = watch.position, run
-        raise
+    except (Interrupted, SystemError) as exc:
+        interrupted = carried_signal(exc)
+        if interrupted is None:
+            raise
+        interrupted.at, interrupted.run = watch.position, run
+        raise interrupted from None
     finally:
         watch.console.end_line()  # what follows (a traceback, the interrupt's line) starts on a line of its own
     write_result(run, summary)

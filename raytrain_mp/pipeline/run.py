@@ -75,7 +75,7 @@ from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.epochs import build_run_model, checkpoint_due, due_by_steps, epoch_line
 from raytrain_mp.errors import RunFailedError, UsageError
-from raytrain_mp.interruption import Interrupted
+from raytrain_mp.interruption import Interrupted, carried_signal
 from raytrain_mp.lr_schedule import schedule_for
 from raytrain_mp.models import check_model
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
@@ -256,9 +256,12 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                     cfg.verbose and exc.__cause__ is not None
                 ):  # Ray's whole account of the failure, which the line above sums up
                     console.say(str(exc.__cause__))
-    except Interrupted as exc:
-        exc.at, exc.run = progress.at if progress else None, run
-        raise
+    except (Interrupted, SystemError) as exc:
+        interrupted = carried_signal(exc)
+        if interrupted is None:
+            raise
+        interrupted.at, interrupted.run = progress.at if progress else None, run
+        raise interrupted from None
     finally:
         console.end_line()  # what follows (a traceback, the interrupt's line) starts on a line of its own
 
