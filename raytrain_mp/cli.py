@@ -4,8 +4,8 @@ Invariants: every bad input ends as one line ``raytrain-mp: error: ...`` on stde
 (argparse's own errors included), raised before Ray starts or any output is written, and an
 option's own errors (``build_config``) before a command imports its capability, torch or Ray, so
 they are said at once; a run that
-fails for good (its restarts used up) ends as one line ``raytrain-mp: failed: ...`` and exit code 1; Ctrl-C or
-SIGTERM ends a command with one line on stderr and exit code 130 or 143 (``interruption``); with
+fails for good (its restarts used up) ends as one line ``raytrain-mp: failed: ...`` and exit code 1; Ctrl-C,
+SIGTERM or SIGHUP ends a command with one line on stderr and exit code 130, 143 or 129 (``interruption``); with
 ``--json`` the last line of stdout is one JSON object describing the result, at full precision;
 without it the result prints as ``key: value`` lines whose floats have 4 significant digits
 (``readable``, the format of the epoch lines too).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from raytrain_mp.bench.config import BenchDataConfig, BenchDDPConfig, BenchPipelineConfig
 from raytrain_mp.config import add_arguments, build_config
@@ -24,7 +24,7 @@ from raytrain_mp.data.config import PrepareConfig
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.errors import EXIT_FAILED, EXIT_USAGE, RunFailedError, UsageError
 from raytrain_mp.inference.config import EvalConfig, ExportConfig, PredictConfig
-from raytrain_mp.interruption import Interrupted, signals_interrupt
+from raytrain_mp.interruption import Interrupted, carried_signal, signals_interrupt
 from raytrain_mp.pipeline.config import PipelineConfig
 from raytrain_mp.readable import readable
 from raytrain_mp.tune.config import TuneConfig
@@ -40,14 +40,15 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def emit(result: dict, as_json: bool, title: str) -> None:
+def emit(result: dict, as_json: bool, title: str, brief: Callable[[dict], dict] | None = None) -> None:
     """The result: one JSON line at full precision with ``--json``, else the title and one
-    ``key: value`` line each, floats as a person reads them."""
+    ``key: value`` line each, floats as a person reads them; ``brief`` shortens the result for
+    that (the pipeline's stages: a line each)."""
     if as_json:
         print(json.dumps(result, default=str))
         return
     print(title)
-    for key, value in result.items():
+    for key, value in (brief(result) if brief else result).items():
         print(f"  {key}: {readable(value)}")
 
 
@@ -82,18 +83,18 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_on_ray(cfg, run, as_json: bool, title: str, quiet: bool = False) -> dict:
+def run_on_ray(cfg, run, as_json: bool, title: str, quiet: bool = False, brief=None) -> dict:
     """Join (or start) Ray for ``cfg.address``, run, and print the result; Ray starts only now,
     after the config and its data passed every check."""
     from raytrain_mp.cluster import ray_connection
 
     with ray_connection(cfg.address, cfg.verbose, quiet):
         result = run(cfg)
-    emit(result, as_json, title)
+    emit(result, as_json, title, brief)
     return result
 
 
-def finished_already(cfg, command: str, as_json: bool) -> bool:
+def finished_already(cfg, command: str, as_json: bool, brief=None) -> bool:
     """A rerun of a finished run (same ``--storage-path`` and ``--name``, no more ``--epochs``)
     prints that run's summary and starts nothing; more epochs continue it."""
     from raytrain_mp.checkpointing import finished_result
@@ -107,6 +108,7 @@ def finished_already(cfg, command: str, as_json: bool) -> bool:
             result,
             as_json,
             f"{command} run {cfg.name} already finished {result['epochs']} epochs (raise --epochs to continue it)",
+            brief,
         )
     return result is not None
 
@@ -124,10 +126,11 @@ def cmd_ddp(args: argparse.Namespace) -> int:
 def cmd_pipeline(args: argparse.Namespace) -> int:
     cfg = build_config(PipelineConfig, args)
     from raytrain_mp.pipeline.run import run_pipeline, with_checked_inputs
+    from raytrain_mp.pipeline.summary import text_summary
 
     cfg = with_checked_inputs(cfg)
-    if not finished_already(cfg, "pipeline", args.json):
-        run_on_ray(cfg, run_pipeline, args.json, "pipeline training finished", cfg.quiet)
+    if not finished_already(cfg, "pipeline", args.json, text_summary):
+        run_on_ray(cfg, run_pipeline, args.json, "pipeline training finished", cfg.quiet, text_summary)
     return 0
 
 
@@ -333,11 +336,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunFailedError as exc:
         print(f"{PROG}: failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except Interrupted as exc:  # the command has unwound: its workers and a Ray it started are stopped
+    except (Interrupted, SystemError) as exc:  # the command has unwound: its workers and a Ray it started are stopped
         from raytrain_mp.checkpointing import interrupted_line
 
-        print(f"{PROG}: {interrupted_line(exc)}", file=sys.stderr, flush=True)
-        return exc.exit_code
+        interrupted = carried_signal(exc)
+        if interrupted is None:
+            raise
+        print(f"{PROG}: {interrupted_line(interrupted)}", file=sys.stderr, flush=True)
+        return interrupted.exit_code
 
 
 if __name__ == "__main__":

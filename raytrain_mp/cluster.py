@@ -4,7 +4,8 @@ Invariants: an explicit ``--address`` (or ``RAY_ADDRESS``, as ``ray job submit``
 cluster, after a probe that answers within ``CONNECT_TIMEOUT_S`` (an unreachable address is one
 ``UsageError`` line, never Ray's minutes of retries); otherwise a new local Ray is started
 (``address="local"``, whatever a stale ``ray start`` left in Ray's temp dir) with this machine's
-CPUs and GPUs and shut down by the caller that started it. A request larger than the cluster is a
+CPUs and GPUs and shut down by the caller that started it; its processes never outlive this one,
+however it ends (SIGKILL, an OOM kill: ``watchdog``). A request larger than the cluster is a
 ``UsageError`` naming the option, raised before any actor or worker starts (a Ray Train or Tune job
 would otherwise wait forever). On a joined cluster (``joined_cluster``) that request first asks the
 autoscaler for its bundles and waits up to ``RAYTRAIN_MP_AUTOSCALE_WAIT_S`` (``AUTOSCALE_WAIT_S``)
@@ -35,6 +36,7 @@ from contextlib import contextmanager
 
 import ray
 
+import raytrain_mp.watchdog as watchdog
 from raytrain_mp.errors import UsageError
 from raytrain_mp.interruption import rearm
 
@@ -95,8 +97,17 @@ def ray_connection(address: str | None, verbose: bool = False, quiet: bool = Fal
         # API through RAY_API_SERVER_ADDRESS, which every Ray process inherits from this one; without
         # it, a second Ray on the machine makes the cleaner die with "Found multiple active Ray instances".
         port = free_port()
-        with environment({"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}):
-            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_port=port, **logs)
+        # Every process of this Ray carries the tag; the watchdog ends them when this process
+        # ends, however it ends (``watchdog``: Ray's own fate-sharing misses the raylet's children).
+        marker = watchdog.tag()
+        guard = watchdog.start(marker[watchdog.MARKER_ENV])
+        try:
+            with environment({"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}", **marker}):
+                ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_port=port, **logs)
+            watchdog.started(guard, [process.pid for _, process in ray._private.worker._global_node.live_processes()])
+        except BaseException:
+            watchdog.stop(guard)
+            raise
         if not quiet:
             print(f"local Ray started; dashboard at http://127.0.0.1:{port}", flush=True)
     rearm()  # Ctrl-C and SIGTERM stay ``interruption``'s to handle
@@ -104,7 +115,10 @@ def ray_connection(address: str | None, verbose: bool = False, quiet: bool = Fal
         yield not address
     finally:
         if not address:
-            ray.shutdown()
+            try:
+                ray.shutdown()
+            finally:
+                watchdog.stop(guard)
 
 
 CONNECT_TIMEOUT_S = 5.0

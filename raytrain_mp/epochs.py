@@ -1,9 +1,10 @@
 """What both training loops (``ddp.loop``, ``pipeline.run``) decide around their epochs, once.
 
-The run's model in the run's dtype (from ``--precision``) with its pretrained weights resolved on
-the driver (``with_checked_model``), when a checkpoint is due, and the line each epoch ends with.
-Functions of a training command's config, the data set and the position in the run (no Ray, no
-files but the weights' cache):
+The run's model in the run's dtype (from ``--precision``, with ``--bn-momentum`` applied) with its
+pretrained weights resolved on the driver (``with_checked_model``), when a checkpoint is due, the
+line each epoch ends with, and the note a run ends with when its BatchNorm running statistics cannot
+have converged (``bn_momentum``). Functions of a training command's config, the data set and the
+position in the run (no Ray, no files but the weights' cache):
 
 - Positions count from 0 for epochs and in steps done: "after ``steps_done`` steps of epoch
   ``epoch``" is global step ``epoch * steps_per_epoch + steps_done``; an epoch's end is
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from raytrain_mp.bn_momentum import convergence_note, set_bn_momentum
 from raytrain_mp.models import build_model, check_model
 from raytrain_mp.preprocessing import input_size
 from raytrain_mp.pretrained import resolve
@@ -48,6 +50,8 @@ def build_run_model(cfg: Any, meta: Any) -> nn.Module:
     model = build_model(
         cfg.model, meta.num_classes, meta.channels, cfg.small_stem, cfg.weights, image_size=run_input_size(cfg, meta)
     )
+    if getattr(cfg, "bn_momentum", None) is not None:
+        set_bn_momentum(model, cfg.bn_momentum)
     return model.to(run_dtype(cfg.precision))
 
 
@@ -63,6 +67,23 @@ def with_checked_model(cfg: Any, meta: Any) -> Any:
     size = run_input_size(cfg, meta)
     check_model(cfg.model, meta.num_classes, meta.channels, size, cfg.small_stem, cfg.weights, say=say)
     return cfg
+
+
+def running_stats_note(options: Any, meta: Any, steps: int) -> str | None:
+    """``bn_momentum.convergence_note`` of a run's model (``options``: its config or config.yaml's
+    mapping: ``model``, ``small_stem``, ``bn_momentum``) after ``steps`` training steps. The model
+    is built on the meta device where it can be: only its layers' momenta are read."""
+    get = options.get if isinstance(options, dict) else lambda key: getattr(options, key, None)
+    args = (get("model"), meta.num_classes, meta.channels, get("small_stem"))
+    try:
+        with torch.device("meta"):
+            model = build_model(*args, image_size=meta.image_size)
+    except Exception:  # noqa: BLE001 (some initializers refuse meta tensors, e.g. RegNet's: build it for real)
+        with torch.random.fork_rng(devices=[]):
+            model = build_model(*args, image_size=meta.image_size)
+    if get("bn_momentum") is not None:
+        set_bn_momentum(model, get("bn_momentum"))
+    return convergence_note(model, steps)
 
 
 def due_by_steps(global_step: int, every_steps: int | None) -> bool:

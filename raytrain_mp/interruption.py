@@ -1,14 +1,20 @@
-"""Ctrl-C (SIGINT) and SIGTERM during a command: stop it with an exception that carries where the run stands.
+"""Ctrl-C (SIGINT), SIGTERM and SIGHUP during a command: stop it with an exception that carries
+where the run stands.
 
-- ``signals_interrupt()`` makes SIGINT and SIGTERM raise ``Interrupted`` in the main thread while a
-  command runs (Python's own SIGINT handling raises ``KeyboardInterrupt``; SIGTERM's default kills
-  the process without any cleanup). ``Interrupted`` is a ``BaseException``, as ``KeyboardInterrupt``
-  is, so no ``except Exception`` on its way treats it as a failure to retry.
+- ``signals_interrupt()`` makes SIGINT, SIGTERM and SIGHUP (a closed terminal or SSH session)
+  raise ``Interrupted`` in the main thread while a command runs (Python's own SIGINT handling
+  raises ``KeyboardInterrupt``; SIGTERM's and SIGHUP's defaults kill the process without any
+  cleanup). ``Interrupted`` is a ``BaseException``, as ``KeyboardInterrupt`` is, so no
+  ``except Exception`` on its way treats it as a failure to retry. SIGKILL cannot be caught; the
+  local Ray the command started ends with it all the same (``watchdog``).
 - A training command adds what it knows as the exception passes (``Interrupted.at``, the run
   folder); ``cli`` prints ``checkpointing.interrupted_line`` of it once the command
   has unwound, which has stopped the workers and shut down a local Ray the command started
-  (``cluster.ray_connection``), and exits with 128 + the signal's number (130, 143), the status a
+  (``cluster.ray_connection``), and exits with 128 + the signal's number (130, 143, 129), the status a
   shell reports for a process that signal ended.
+- Inside Ray's Cython calls (``ray.wait``, ``ray.get``) the handler's ``Interrupted`` comes out as
+  a ``SystemError`` whose cause it is; ``carried_signal`` finds it, and the run loops and ``cli``
+  treat that as the ``Interrupted`` itself.
 - A second signal while the first unwinds ends the process at once, without cleanup, with that
   signal's status: the way out of a shutdown that hangs.
 - ``uninterrupted()`` holds a signal back until its block ends: a write that a signal cut between
@@ -29,7 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Interrupted(BaseException):
@@ -44,6 +50,17 @@ class Interrupted(BaseException):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+def carried_signal(exc: BaseException) -> Interrupted | None:
+    """The ``Interrupted`` that ``exc`` is or carries, else None. Ray's Cython calls (``ray.wait``,
+    ``ray.get``) run Python's signal handlers while they wait, and one whose handler raised ends
+    as ``SystemError: ... returned a result with an exception set``, the ``Interrupted`` its cause."""
+    if isinstance(exc, Interrupted):
+        return exc
+    if isinstance(exc, SystemError) and isinstance(exc.__cause__, Interrupted):
+        return exc.__cause__
+    return None
 
 
 _held: int | None = None  # the first signal that came inside uninterrupted()
@@ -73,7 +90,7 @@ def rearm() -> None:
 
 @contextmanager
 def signals_interrupt() -> Iterator[None]:
-    """SIGINT and SIGTERM raise ``Interrupted`` in the main thread while the block runs."""
+    """SIGINT, SIGTERM and SIGHUP raise ``Interrupted`` in the main thread while the block runs."""
     global _armed
     previous = {each: signal.signal(each, _raise) for each in SIGNALS}
     _armed = True

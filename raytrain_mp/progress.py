@@ -11,6 +11,7 @@ on a terminal or off one.
   erases it; off a terminal (``ray job submit`` logs, CI, a pipe) progress appears only as plain
   lines every ``--log-every`` steps, and the output never holds ``\\r`` or an escape character.
   ``quiet`` shows nothing (``--quiet``: the command's summary alone, which ``cli.emit`` prints).
+- ``note`` puts a ``note:`` line (advice, not an error) on stderr, also with ``--quiet``.
 
 Invariants: a live update is due at most every ``LIVE_INTERVAL_S`` (so a fast loop spends no time
 drawing, and a remote display is sent a few messages a second at most) and at every ``--log-every``
@@ -162,3 +163,9 @@ class Console:
             self.stream.write("\n")
             self.stream.flush()
             self._drawn = False
+
+
+def note(line: str | None) -> None:
+    """A ``note:`` line on stderr, where the tool's other notes go; None: nothing."""
+    if line:
+        print(line, file=sys.stderr, flush=True)

@@ -1,16 +1,18 @@
-"""Ctrl-C and SIGTERM during ``raytrain-mp ddp`` and ``pipeline``, as a user sends them: the command
-exits 130 (143) with one line that names the last checkpoint, leaves no process it started behind,
-and the same command run again (with ``--quiet``: only the JSON line) continues from that
-checkpoint and finishes with a whole run log.
+"""Ctrl-C, SIGTERM and SIGKILL during ``raytrain-mp ddp`` and ``pipeline``, as a user (or the OOM
+killer) sends them: the command exits 130 (143) with one line that names the last checkpoint (a
+SIGKILLed one says nothing), leaves no process it started behind, and the same command run again
+(with ``--quiet``: only the JSON line) continues from that checkpoint and finishes with a whole run
+log.
 
 Each command runs as a user types it (its own local Ray, a fresh HOME). The ddp run is held before
 global step 8 (``--hold-at-step``), so it is mid-epoch on any machine; it runs on a
 pseudo-terminal, where its progress line is redrawn in place, and Ctrl-C is the terminal's
-(``\\x03`` written to it). The others get the signal from ``killpg`` once a progress line passed
-step 4 (``interrupt_when``). Every process the command
-started carries a marker in its environment (Ray hands the driver's environment to what it
-starts), which is how the test finds any left behind; it looks after the rerun (which has a marker
-of its own), so the seconds Ray's agents take to notice their raylet gone overlap with it.
+(``\\x03`` written to it). The others get SIGTERM or SIGKILL once a progress line passed step 4
+(``interrupt_when``). Every process the command started carries a marker in its environment (Ray
+hands the driver's environment to what it starts), which is how the test finds any left behind; it
+looks after the rerun (which has a marker of its own). Ray's agents overwrite their environment
+with their title, so after a SIGKILL the test also checks the command's descendants at the kill,
+by process.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 
+import psutil
 import pyarrow.fs as pafs
 import pytest
 
+from raytrain_mp.checkpointing import published_checkpoints
 from raytrain_mp.progress import ERASE_LINE
 from raytrain_mp.storage import locate, name_of
 
@@ -164,10 +169,13 @@ def test_ctrl_c_on_a_terminal_stops_a_ddp_run_whose_progress_line_rewrites_in_pl
     assert_nothing_left(marker)
 
 
-def interrupt_when(argv: list[str], env: dict[str, str], seen: str, signum: int) -> tuple[int, str]:
-    """Run ``argv`` and, once its output holds ``seen``, send it ``signum``: SIGINT to its process
-    group, as a terminal's Ctrl-C; SIGTERM to the process, as ``kill`` does (the group would
-    include the local Ray's own processes, which Ray shields from SIGINT only). (exit status, output)"""
+def interrupt_when(
+    argv: list[str], env: dict[str, str], seen: str, signum: int, before: Callable[[int], object] = lambda pid: None
+) -> tuple[int, str]:
+    """Run ``argv`` and, once its output holds ``seen``, call ``before(pid)`` and send it ``signum``:
+    SIGINT to its process group, as a terminal's Ctrl-C; SIGTERM (SIGKILL) to the process, as
+    ``kill`` (``kill -9``) does (the group would include the local Ray's own processes, which Ray
+    shields from SIGINT only). (exit status, output)"""
     process = subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -175,20 +183,42 @@ def interrupt_when(argv: list[str], env: dict[str, str], seen: str, signum: int)
     for line in process.stdout:
         out.append(line)
         if seen in line:
+            before(process.pid)
             (os.killpg if signum == signal.SIGINT else os.kill)(process.pid, signum)
             break
     out.extend(process.stdout)
     return process.wait(timeout=120), "".join(out)
 
 
+def left_after(processes: list[psutil.Process], marker: str, seconds: float) -> list[str]:
+    """Of ``processes`` (the command's descendants when it was killed: its local Ray, the watchdog)
+    and of those with ``marker``, the ones still there ``seconds`` from now. Both: Ray's agents
+    re-title themselves over their environment, so the marker does not find them."""
+    time.sleep(seconds)
+    left = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:  # is_running: not a reused pid
+                left.append(f"{process.pid} {process.name()}")
+        except psutil.Error:  # it ended while we looked
+            continue
+    return left + processes_with(marker)
+
+
+# Ctrl-C to the process group: the terminal test above (ddp); SIGINT, SIGTERM and SIGHUP take the
+# same path through ``interruption`` (tests/test_progress.py), so each command gets one of them here
+# and a SIGKILL, which no handler sees.
 @pytest.mark.parametrize(("command", "storage", "signum"), [
-    ("pipeline", "local", signal.SIGINT),
     ("pipeline", "s3", signal.SIGTERM),
-    ("ddp", "s3", signal.SIGINT),
+    ("pipeline", "local", signal.SIGKILL),
+    ("ddp", "s3", signal.SIGKILL),
 ])  # fmt: skip
 def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(
     tmp_path, digits_dir, request, command, storage, signum
 ):
+    """SIGKILL (``kill -9``, the OOM killer): no line, but nothing of the command's local Ray is
+    left 10 s later (``watchdog``), and the rerun continues from the last checkpoint published,
+    with the losses the killed attempt showed for the steps both ran."""
     marker = uuid.uuid4().hex
     env = command_env(tmp_path, marker)
     where = request.getfixturevalue("bucket") if storage == "s3" else str(tmp_path / "runs")
@@ -205,7 +235,27 @@ def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(
     ]
     if command == "ddp":
         argv += ["--num-workers", "1"]
-    status, out = interrupt_when(argv, env, "epoch 1/1 step 4/22 ", signum)
+    descendants: list[psutil.Process] = []
+
+    def snapshot(pid: int) -> None:  # a SIGKILL's only: the other signals go at once, as they did
+        if signum == signal.SIGKILL:
+            descendants.extend(psutil.Process(pid).children(recursive=True))
+
+    status, out = interrupt_when(argv, env, "epoch 1/1 step 4/22 ", signum, snapshot)
+    if signum == signal.SIGKILL:
+        assert status == -signal.SIGKILL, out[-3000:]
+        assert len(descendants) > 3  # the local Ray: GCS, raylet, agents, workers; and the watchdog
+        assert left_after(descendants, marker, 10) == []
+        published = published_checkpoints(locate(where, "--storage-path").child(f"{command}-{storage}"))[1]
+        assert published, out[-2000:]  # step 4 was shown: the checkpoint after step 2 at least
+        result = rerun_continues(argv, env, published[-1].uri, None)
+        # The killed attempt ran uninterrupted up to the kill: the rerun's steps logged past the
+        # checkpoint it resumed from have the losses that attempt printed for them.
+        shown = {int(step): loss for step, loss in re.findall(r"epoch 1/1 step (\d+)/22 loss (\S+)", out)}
+        rows = checked_run_log(result["run"], steps=STEPS, epochs=1, steps_per_epoch=STEPS, log_every=2)
+        logged = {int(r["global_step"]): f"{float(r['train_loss']):.4f}" for r in rows if r["kind"] == "step"}
+        assert {step: logged[step] for step in shown} == shown
+        return
     assert status == 128 + signum, out[-3000:]
     found = LINE.search(out)
     assert found and int(found.group(1)) >= 4 and found.group(3) == f"{command}-{storage}", out[-2000:]

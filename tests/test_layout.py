@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "raytrain_mp"
 
 SHARED_MODULES = {
     "allocator",
+    "bn_momentum",
     "checkpointing",
     "cluster",
     "config",
@@ -40,6 +41,7 @@ SHARED_MODULES = {
     "readable",
     "run_log",
     "storage",
+    "watchdog",
 }
 CAPABILITIES = {"ddp", "pipeline", "tune", "bench", "inference"}
 # What each unit may import besides itself. "shared" is the top-level shared modules.

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from raytrain_mp.checkpointing import CHECKPOINT_FILES, RAY_SNAPSHOT, interrupted_line
-from raytrain_mp.interruption import Interrupted, signals_interrupt, uninterrupted
+from raytrain_mp.interruption import Interrupted, carried_signal, signals_interrupt, uninterrupted
 from raytrain_mp.progress import ERASE_LINE, Console, Progress, duration
 from raytrain_mp.storage import locate
 
@@ -138,15 +138,31 @@ def test_the_interrupt_line_names_the_last_published_checkpoint_and_the_run(tmp_
     assert interrupted_line(Interrupted(signal.SIGINT)) == "interrupted"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_both_signals_raise_interrupted_within_the_block_only(signum):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_each_signal_raises_interrupted_within_the_block_only(signum):
+    """SIGHUP (a closed terminal or SSH session) as SIGTERM: the run stops cleanly, exit 129."""
     before = signal.getsignal(signum)
     with pytest.raises(Interrupted) as raised:
         with signals_interrupt():
             os.kill(os.getpid(), signum)  # Python runs the handler at the next instruction
             pytest.fail("no Interrupted")
-    assert raised.value.signum == signum
+    assert raised.value.signum == signum and raised.value.exit_code == 128 + signum
     assert signal.getsignal(signum) is before
+
+
+def test_an_interrupted_inside_a_ray_call_is_found_in_its_system_error():
+    """Ray's ``CoreWorker.wait`` runs the handler and returns with the exception set: a SystemError
+    caused by the Interrupted, which is what the command reports."""
+    interrupted = Interrupted(signal.SIGTERM)
+    try:
+        try:
+            raise interrupted
+        except Interrupted as cause:
+            raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set") from cause
+    except SystemError as exc:
+        assert carried_signal(exc) is interrupted
+    assert carried_signal(interrupted) is interrupted
+    assert carried_signal(SystemError("other")) is None and carried_signal(ValueError()) is None
 
 
 def test_a_signal_inside_uninterrupted_waits_for_the_block_to_end():

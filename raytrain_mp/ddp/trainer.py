@@ -33,15 +33,16 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raytrain_mp.checkpointing import MODEL_FILE, write_result
 from raytrain_mp.cluster import check_fits, environment, resolve_use_gpu, train_log_level
 from raytrain_mp.config import absolute_path
+from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.loop import train_loop_per_worker
 from raytrain_mp.ddp.watch import Watch
-from raytrain_mp.epochs import with_checked_model
+from raytrain_mp.epochs import running_stats_note, with_checked_model
 from raytrain_mp.errors import RunFailedError, UsageError
 from raytrain_mp.faults import first_line, short_cause
-from raytrain_mp.interruption import Interrupted
-from raytrain_mp.progress import Console
+from raytrain_mp.interruption import Interrupted, carried_signal
+from raytrain_mp.progress import Console, note
 from raytrain_mp.storage import check_reachable, join, locate, name_of
 
 
@@ -153,10 +154,15 @@ def run_ddp(cfg: DDPConfig) -> dict:
             summary = summarize(watch.fit(build_trainer(cfg).fit), cfg)
     except TrainingFailedError as exc:  # Ray Train used up --max-failures restarts
         raise RunFailedError.after_restarts(training_failure(exc), cfg.max_failures, cfg.max_failures) from None
-    except Interrupted as exc:
-        exc.at, exc.run = watch.position, run
-        raise
+    except (Interrupted, SystemError) as exc:
+        interrupted = carried_signal(exc)
+        if interrupted is None:
+            raise
+        interrupted.at, interrupted.run = watch.position, run
+        raise interrupted from None
     finally:
         watch.console.end_line()  # what follows (a traceback, the interrupt's line) starts on a line of its own
     write_result(run, summary)
+    meta = read_meta(cfg.data)
+    note(running_stats_note(cfg, meta, (summary["epochs"] or 0) * (meta.counts["train"] // cfg.global_batch_size)))
     return summary

@@ -28,12 +28,19 @@ from typing import Any
 
 import yaml
 
-from raytrain_mp.checkpointing import CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, missing_files, published_checkpoints
+from raytrain_mp.checkpointing import (
+    CHECKPOINT_FILES,
+    CONFIG_FILE,
+    MODEL_FILE,
+    checkpoint_order,
+    missing_files,
+    published_checkpoints,
+)
 from raytrain_mp.data.format import DatasetMeta, read_meta
 from raytrain_mp.data.transforms import BatchTransform
 from raytrain_mp.errors import UsageError
 from raytrain_mp.preprocessing import input_size
-from raytrain_mp.storage import COMPLETE_MARKER, Location, locate
+from raytrain_mp.storage import COMPLETE_MARKER, Location, locate, name_of
 from raytrain_mp.tune.config import SWEEP_FILE, metric_mode
 
 OPTION = "--checkpoint"
@@ -127,6 +134,20 @@ class TrainedRun:
     def transform(self) -> BatchTransform:
         """What turns a batch of the split's uint8 images into the model's input, as the run's evaluation did."""
         return BatchTransform.for_run(self.meta, self.preprocess)
+
+    @property
+    def steps_trained(self) -> int | None:
+        """Training steps the checkpoint has taken, from its name (``checkpointing.checkpoint_name``)
+        and the data set's steps per epoch; None when the name or the options do not say."""
+        batch = self.options.get("global_batch_size")
+        try:
+            epoch, step = checkpoint_order(name_of(self.checkpoint))
+        except ValueError:
+            return None
+        if not batch:
+            return None
+        per_epoch = self.meta.counts["train"] // batch
+        return epoch * per_epoch if step == float("inf") else (epoch - 1) * per_epoch + int(step)
 
     def dtype(self):
         import torch

@@ -92,7 +92,13 @@ class ExportConfig:
         EXPORT_FORMATS,
         group="output",
     )
-    out: str = option("", "local file to write the exported model to")
+    out: str = option("", "local file to write the exported model to (and OUT.json, what it takes and returns)")
+    with_preprocessing: bool = option(
+        False,
+        "the model takes uint8 pixels (N, C, H, W) and normalizes them itself (default: float32, normalized by the "
+        "data set's mean/std)",
+        group="output",
+    )
     json: bool = False
 
     def validate(self) -> None:

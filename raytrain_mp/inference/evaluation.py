@@ -13,7 +13,9 @@ validated on, the accuracy and count are exactly the run's last ``val_accuracy``
 and the loss agrees within float rounding of the sum; images are normalized with the mean/std of
 the data set the run trained on (or resized, cropped and normalized as its pretrained weights have
 it: ``TrainedRun.transform``) (also for ``--data`` of another data set, whose classes and image
-shape must be the model's, checked before Ray starts).
+shape must be the model's, checked before Ray starts). When the checkpoint's BatchNorm running
+statistics cannot have converged in the steps it trained (``bn_momentum``), one ``note:`` line on
+stderr says so: its accuracy may be chance for that reason alone.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.loader import EpochKeys, make_loader
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum
 from raytrain_mp.ddp.loop import autocast_for
+from raytrain_mp.epochs import running_stats_note
 from raytrain_mp.errors import UsageError
 from raytrain_mp.inference.checkpoint import TrainedRun, check_data_fits, load_run
 from raytrain_mp.inference.config import EvalConfig
 from raytrain_mp.inference.report import default_out, write_eval_outputs
+from raytrain_mp.progress import note
 from raytrain_mp.storage import name_of
 
 BATCH = 64  # the trainers' validation batch (ddp: max(micro-batch, 64)): the same sums, in the same order per rank
@@ -176,6 +180,8 @@ def run_eval(cfg: EvalConfig) -> dict:
         trainer.fit()
     metrics = ray.get(results.get.remote())
     ray.kill(results)
+    if run.steps_trained is not None:  # its accuracy may be chance for that reason alone
+        note(running_stats_note(run.options, run.meta, run.steps_trained))
     meta = read_meta(cfg.data)
     dataset = ParquetImageDataset(cfg.data, cfg.split, meta=meta)
     return write_eval_outputs(cfg, run, metrics, meta.class_names, dataset.labels, dataset.ids)

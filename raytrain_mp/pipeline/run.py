@@ -56,6 +56,7 @@ import ray
 import torch
 from torch import nn
 
+from raytrain_mp.bn_momentum import convergence_note
 from raytrain_mp.checkpointing import (
     CHECKPOINT_PREFIX,
     MODEL_FILE,
@@ -81,7 +82,7 @@ from raytrain_mp.epochs import (
     with_checked_model,
 )
 from raytrain_mp.errors import RunFailedError, UsageError
-from raytrain_mp.interruption import Interrupted
+from raytrain_mp.interruption import Interrupted, carried_signal
 from raytrain_mp.lr_schedule import schedule_for
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
 from raytrain_mp.pipeline.blocks import flatten_model
@@ -90,7 +91,7 @@ from raytrain_mp.pipeline.feed import StageData
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
 from raytrain_mp.pipeline.replicas import replica_and_stage
 from raytrain_mp.pipeline.schedule import stage_times_bubble
-from raytrain_mp.progress import Console, Progress
+from raytrain_mp.progress import Console, Progress, note
 from raytrain_mp.run_log import RunLog
 from raytrain_mp.storage import Location, check_reachable, latest_complete, locate
 
@@ -247,6 +248,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                     summary = train_epochs(cfg, trainer, schedule, position, carried, run, progress, console)
                     result = {**summary, **placement_summary(trainer), "run": run.uri}
                     write_result(run, result)
+                    console.end_line()
+                    note(convergence_note(model, cfg.epochs * steps_per_epoch))
                     return result
                 finally:
                     trainer.shutdown()
@@ -260,9 +263,12 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                     cfg.verbose and exc.__cause__ is not None
                 ):  # Ray's whole account of the failure, which the line above sums up
                     console.say(str(exc.__cause__))
-    except Interrupted as exc:
-        exc.at, exc.run = progress.at if progress else None, run
-        raise
+    except (Interrupted, SystemError) as exc:
+        interrupted = carried_signal(exc)
+        if interrupted is None:
+            raise
+        interrupted.at, interrupted.run = progress.at if progress else None, run
+        raise interrupted from None
     finally:
         console.end_line()  # what follows (a traceback, the interrupt's line) starts on a line of its own
 

@@ -109,6 +109,56 @@ def test_export_loads_back_and_agrees_with_the_model_at_batch_1_and_7(run, tmp_p
             assert (y - model(x)).abs().max().item() <= tolerance
 
 
+def onnx_top1(model: str, sidecar: dict, png) -> str:
+    """docs/inference.md's onnxruntime call on an image file, as a user who has only the two files
+    writes it: the sidecar says the mode, size, dtype, mean/std and class names."""
+    import onnxruntime
+    from PIL import Image
+
+    image = Image.open(png).convert(sidecar["input"]["image_mode"])
+    _, channels, height, width = sidecar["input"]["shape"]
+    image = image.resize((width, height), Image.BILINEAR)  # sidecar["resize"]; a raw data set: no crop
+    x = np.asarray(image, dtype=np.uint8).reshape(height, width, channels).transpose(2, 0, 1)[None]
+    if sidecar["input"]["dtype"] == "float32":
+        mean, std = (np.array(sidecar["normalization"][k], dtype=np.float32)[:, None, None] for k in ("mean", "std"))
+        x = (x.astype(np.float32) - mean) / std
+    session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {sidecar["input"]["name"]: x})
+    return sidecar["class_names"][int(logits[0].argmax())]
+
+
+def test_onnx_sidecar_and_with_preprocessing_give_predicts_top1_for_png_files(run, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the export extra is not installed: pip install -e '.[export]'")
+    pytest.importorskip("onnxscript", reason="the export extra is not installed: pip install -e '.[export]'")
+    from PIL import Image
+
+    from raytrain_mp.data import ParquetImageDataset
+
+    val = ParquetImageDataset(run["data"], "val")
+    pngs = []
+    for i in range(6):
+        pngs.append(tmp_path / f"{i}.png")
+        Image.fromarray(val.raw_image(i)[:, :, 0], "L").resize((20, 20)).save(pngs[-1])  # resized, as a user's file is
+    predictions = run_cli_json("predict", "--checkpoint", run["run"], *map(str, pngs))["predictions"]
+    predicted = [p["classes"][0] for p in predictions]
+    for extra, dtype in (((), "float32"), (("--with-preprocessing",), "uint8")):
+        out = tmp_path / f"model-{dtype}.onnx"
+        result = run_cli_json("export", "--checkpoint", run["run"], "--out", str(out), *extra)
+        sidecar = json.loads((tmp_path / f"model-{dtype}.onnx.json").read_text())
+        assert result["sidecar"] == str(out) + ".json" and result["input_dtype"] == dtype
+        assert sidecar["input"] == {
+            "name": "images", "shape": ["batch", 1, 8, 8], "layout": "NCHW", "dtype": dtype, "image_mode": "L",
+            "value_range": [0, 255] if extra else sidecar["input"]["value_range"],
+        }  # fmt: skip
+        normalization = sidecar["normalization"]
+        assert normalization["in_graph"] == bool(extra) and normalization["pixel_scale"] == [0, 255]
+        low, high = sidecar["input"]["value_range"]
+        assert low < 0 < high if not extra else (low, high) == (0, 255)
+        assert sidecar["resize"] == {"size": [8, 8], "interpolation": "bilinear"} and sidecar["crop"] is None
+        assert sidecar["class_names"] == result["class_names"] and sidecar["output"]["shape"] == ["batch", 10]
+        assert [onnx_top1(str(out), sidecar, png) for png in pngs] == predicted
+
+
 def test_export_refuses_an_unknown_format_and_a_missing_extra(run, tmp_path, capsys, monkeypatch):
     out = tmp_path / "model.x"
     assert_usage_error(

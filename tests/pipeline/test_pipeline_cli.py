@@ -219,6 +219,14 @@ def test_rerun_of_a_finished_run_prints_its_summary_and_starts_nothing(fp64_runs
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1 and json.loads(lines[0]) == plain  # the JSON line alone: no Ray started, no epoch ran
     assert done.stderr == ""
+    # Without --json, as a person reads it: a short line per stage, the block lists only in the JSON.
+    text = subprocess.run(done.args[:-1], capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0, text.stderr[-2000:]
+    lines = text.stdout.splitlines()
+    stages = [line for line in lines if line.startswith("  stage ")]
+    assert [line.split(":")[0] for line in stages] == ["  stage 0", "  stage 1"], text.stdout
+    assert all(f"on node {stage['node_id'][:8]}" in line for stage, line in zip(plain["stages"], stages))
+    assert max(map(len, lines)) <= 160 and "node_id" not in text.stdout, text.stdout
 
 
 @pytest.mark.slow  # the fp64 runs
