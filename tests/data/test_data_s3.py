@@ -56,6 +56,6 @@ def test_bad_data_locations_are_one_line(s3_endpoint, capsys, tmp_path):
     res = run_cli(capsys, "data", "prepare", "digits", "--out", "gopher://host/d")
     assert_usage_error(res, "--out: cannot use gopher://host/d (unknown scheme 'gopher'); accepted: a local folder")
     res = run_cli(capsys, "ddp", "--weights", f"s3://b/model.pt{query}", "--storage-path", str(tmp_path))
-    assert_usage_error(res, "--weights: s3://b/model.pt", "is a URI; accepted: a local model.pt")
+    assert_usage_error(res, "--weights: s3://b/model.pt", "is a URI; accepted: a state dict file (a model.pt)")
     res = run_cli(capsys, "bench", "ddp", "--out", f"s3://b/bench{query}")
     assert_usage_error(res, "--out: s3://b/bench", "is a URI; accepted: a local folder")
