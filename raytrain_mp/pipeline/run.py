@@ -84,6 +84,8 @@ from raytrain_mp.pipeline.feed import StageData
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
 from raytrain_mp.pipeline.replicas import replica_and_stage
 from raytrain_mp.pipeline.schedule import stage_times_bubble
+from raytrain_mp.pipeline.stats import StepStats
+from raytrain_mp.pipeline.trials import BalanceTrial
 from raytrain_mp.progress import Console, Progress
 from raytrain_mp.run_log import RunLog
 from raytrain_mp.storage import Location, check_reachable, latest_complete, locate
@@ -296,13 +298,13 @@ def describe(plan) -> str:
     )
 
 
-def describe_trial(trial: dict) -> str:
+def describe_trial(trial: BalanceTrial) -> str:
     """One cut ``PipelineTrainer`` tried on running stages (an entry of its ``balance_trials``)."""
     return (
-        f"cut before {', '.join(trial['split_points'])}: the profile rates it {trial['profile_score']:.4f} s per "
-        f"micro-batch; per stage and micro-batch it ran {'/'.join(f'{s:.4f}' for s in trial['forward_seconds'])} s "
-        f"forward, {'/'.join(f'{s:.4f}' for s in trial['backward_seconds'])} s backward; "
-        f"bubble {trial['bubble_fraction']:.3f}, {trial['seconds_per_step']:.3f} s per step"
+        f"cut before {', '.join(trial.split_points)}: the profile rates it {trial.profile_score:.4f} s per "
+        f"micro-batch; per stage and micro-batch it ran {'/'.join(f'{s:.4f}' for s in trial.forward_seconds)} s "
+        f"forward, {'/'.join(f'{s:.4f}' for s in trial.backward_seconds)} s backward; "
+        f"bubble {trial.bubble_fraction:.3f}, {trial.seconds_per_step:.3f} s per step"
     )
 
 
@@ -336,14 +338,14 @@ def make_trainer(
     )
 
 
-def stage_time_metrics(stats: dict, cfg: PipelineConfig) -> dict:
+def stage_time_metrics(stats: StepStats, cfg: PipelineConfig) -> dict:
     """Each rank's computing seconds per step (the first replica's), and for the flat schedules the
     bubble those stage times alone would leave (``schedule.bubble_for_stage_times``): the measured
     bubble minus it is what transfers and calls cost, the rest is the cut's imbalance."""
-    steps = max(stats["steps"], 1)
-    busy, forward = (stats[key][: cfg.stages] for key in ("busy_seconds", "forward_busy_seconds"))
+    steps = max(stats.steps, 1)
+    busy, forward = stats.busy_seconds[: cfg.stages], stats.forward_busy_seconds[: cfg.stages]
     metrics = {"stage_seconds_per_step": [seconds / steps for seconds in busy]}
-    predicted = stage_times_bubble(cfg.schedule, busy, cfg.microbatches, forward) if stats["steps"] else None
+    predicted = stage_times_bubble(cfg.schedule, busy, cfg.microbatches, forward) if stats.steps else None
     if predicted is not None:  # fill-drain schedules count their phases apart
         metrics["bubble_for_stage_times"] = predicted
     return metrics
@@ -397,7 +399,7 @@ def train_epochs(
                         epoch + 1,
                         loss_sum / (step + 1),
                         schedule(done - 1),
-                        trainer.stats(reset=False)["bubble_fraction"],
+                        trainer.stats(reset=False).bubble_fraction,
                     )
                 maybe_kill_stage(fault, trainer, f"s{done}")
             if segment.stop < steps_per_epoch:
@@ -409,7 +411,7 @@ def train_epochs(
             "train_loss": loss_sum / steps_per_epoch,
             **trainer.evaluate(),
             "samples_per_second": (steps_per_epoch - first) * cfg.global_batch_size / elapsed,
-            "bubble_fraction": stats["bubble_fraction"],
+            "bubble_fraction": stats.bubble_fraction,
             **stage_time_metrics(stats, cfg),
             "lr": schedule(epoch * steps_per_epoch + steps_per_epoch - 1),
         }

@@ -419,7 +419,7 @@ def test_bench_data_pipeline_input_smoke(ray_session, tmp_path):
 
 def test_pipeline_input_case_makes_an_epoch_per_pass():
     from raytrain_mp.bench.config import BenchDataConfig
-    from raytrain_mp.bench.data import pipeline_image_count
+    from raytrain_mp.bench.data_pipeline import pipeline_image_count
 
     def train(count: int) -> int:
         return count - int(round(count * 0.05))  # prepare's split, val_fraction 0.05

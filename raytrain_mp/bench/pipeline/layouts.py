@@ -129,4 +129,9 @@ def layout_runs(
             per_microbatch[m] = saved_activation_bytes(stages, first.inputs, first.targets)
         held = max_in_flight(run["schedule"], cfg.stages, m)
         run["peak_activation_bytes"] = [count * size for count, size in zip(held, per_microbatch[m])]
-    return {"plan": plan, "balance_trials": trainer.balance_trials, "runs": runs, "skipped": skipped}
+    return {
+        "plan": plan,
+        "balance_trials": [trial.as_dict() for trial in trainer.balance_trials],
+        "runs": runs,
+        "skipped": skipped,
+    }
