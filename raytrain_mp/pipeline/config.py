@@ -49,7 +49,8 @@ class PipelineConfig(TrainOptions):
         1, "data-parallel copies of the pipeline, each on its share of every batch: --replicas x --stages actors"
     )
     split_points: list | None = option(
-        None, "cut before these modules, e.g. layer3 (the seeds' split); overrides --balance"
+        None,
+        "cut before these modules, e.g. layer3 (the layer3 split, where the seeds cut ResNet-50); overrides --balance",
     )
     balance: str = option("time", "cut stages by measured time, parameter count, or none (= params)", BALANCES)
     balance_trials: int = option(

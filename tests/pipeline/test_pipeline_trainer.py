@@ -210,7 +210,7 @@ class TestAgainstGradientAccumulation:
         dtype, num_stages, virtual = request.param
         memory_format = {torch.float32: "channels_last", torch.float64: "auto"}[dtype]
         memory_format = "contiguous" if (dtype, num_stages, virtual) == (torch.float64, 3, 1) else memory_format
-        # float32 runs use split points by name (the seeds' split for 2 stages); float64 runs the
+        # float32 runs use split points by name (the layer3 split for 2 stages); float64 runs the
         # default parameter balance, whose cuts fall inside residual blocks (test_plan_and_stats).
         # Layouts: float32 channels-last, so that the reference can compute as the stages do;
         # float64 measured per stage (the default), but contiguous on f64-3ranks.
