@@ -12,8 +12,8 @@ actor body, running torch.distributed.pipelining's schedules) with ``stage_confi
 given, its device), ``timed_stage`` (torch's stage, timed, receives posted ahead, last backward split)
 and ``shaped_p2p`` (eval tensors between ranks), ``replica_sync`` (what a stage's replicas all-reduce
 after each step), ``teardown`` (stopping actors: returns once they are dead), ``blame`` (which rank a
-failed call names, from Ray's errors: a rule without a running Ray). The driver: ``options`` (the
-checks that need no cluster), ``placement`` (joining Ray, bundles, resource check, placement groups),
+failed call names, from Ray's errors: a rule without a running Ray). The driver: ``spec`` (``PipelineSpec``:
+every option, validated once), ``placement`` (joining Ray, bundles, resource check, placement groups),
 ``actors`` (the stage actors: start, call, gather, stop), ``failures`` (``StageFailedError``, waiting
 for the origin), ``trials`` (time balance: profile, cut, balance trials), ``submission`` (the queue
 of step calls), ``stats`` (``StepStats``), ``trainer`` (``PipelineTrainer``, over those) and ``run``
@@ -61,6 +61,7 @@ _EXPORTS = {
         "schedule",
     ),
     "PLACEMENT_STRATEGIES": "placement",
+    "PipelineSpec": "spec",
     "PipelineTrainer": "trainer",
     "StageFailedError": "failures",
     "BalanceTrial": "trials",

@@ -22,10 +22,10 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_mp.cluster import reachable, resolve_use_gpu, use_token_if_the_cluster_asks, wait_for_autoscaler
-from raytrain_mp.errors import UsageError
+from raytrain_mp.errors import OptionError
+from raytrain_mp.pipeline.layouts import PLACEMENT_STRATEGIES
 from raytrain_mp.pipeline.replicas import replica_nodes, replica_resources
 
-PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 _PLACEMENT_TIMEOUT_S = 120.0
 
 
@@ -39,8 +39,8 @@ def check_resources(
     ``num_replicas`` placement groups of the stages' ``bundles`` (one per stage, in order) under
     ``strategy``."""
     if strategy not in PLACEMENT_STRATEGIES:
-        raise UsageError(
-            f"placement_strategy: unknown strategy {strategy!r}; accepted: {', '.join(PLACEMENT_STRATEGIES)}"
+        raise OptionError(
+            "placement_strategy", f"unknown strategy {strategy!r}; accepted: {', '.join(PLACEMENT_STRATEGIES)}"
         )
     num_stages = len(bundles)
     what = f"{num_replicas} replicas x {num_stages} stages" if num_replicas > 1 else f"{num_stages} stages"
@@ -58,8 +58,10 @@ def check_resources(
                     "(data.loader_workers) count"
                 )
             )
-            raise UsageError(
-                f"{option}: {what} need {num_replicas * amount:g} {resource} ({each}); the Ray cluster has {have:g}"
+            raise OptionError(
+                option,
+                f"{what} need {num_replicas * amount:g} {resource} ({each}); the Ray cluster has {have:g}",
+                mentions=("data.loader_workers",),
             )
 
     def fits(node: Mapping[str, float], bundle: Mapping[str, float]) -> bool:
@@ -70,24 +72,26 @@ def check_resources(
     )
     each = "each" if isinstance(shown, dict) else "by stage"
     if strategy == "STRICT_PACK" and not any(fits(node, need) for node in nodes):
-        raise UsageError(
-            f"placement_strategy: STRICT_PACK needs one node that holds all {num_stages} stages "
-            f"({shown} {each}) and no node does; use PACK or SPREAD"
+        raise OptionError(
+            "placement_strategy",
+            f"STRICT_PACK needs one node that holds all {num_stages} stages "
+            f"({shown} {each}) and no node does; use PACK or SPREAD",
         )
     packed = replica_nodes({str(i): node for i, node in enumerate(nodes)}, num_replicas, bundles)
     if strategy == "STRICT_PACK" and None in packed:
-        raise UsageError(
-            f"placement_strategy: STRICT_PACK needs a node per replica that holds all its {num_stages} stages "
-            f"({shown} {each}); the nodes hold {packed.index(None)} of {num_replicas} replicas; use PACK or SPREAD"
+        raise OptionError(
+            "placement_strategy",
+            f"STRICT_PACK needs a node per replica that holds all its {num_stages} stages "
+            f"({shown} {each}); the nodes hold {packed.index(None)} of {num_replicas} replicas; use PACK or SPREAD",
         )
     free = list(nodes)
     for bundle in sorted(bundles, key=lambda b: -sum(b.values())) if strategy == "STRICT_SPREAD" else ():
         node = next((node for node in free if fits(node, bundle)), None)
         if node is None:
             one = "one stage" if isinstance(shown, dict) else "one stage each"
-            raise UsageError(
-                f"placement_strategy: STRICT_SPREAD needs {num_stages} nodes that each hold {one} ({shown}); use "
-                "SPREAD or PACK"
+            raise OptionError(
+                "placement_strategy",
+                f"STRICT_SPREAD needs {num_stages} nodes that each hold {one} ({shown}); use SPREAD or PACK",
             )
         free.remove(node)
 

@@ -73,13 +73,13 @@ from raytrain_mp.config import FaultSpec, absolute_path, to_yaml
 from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.epochs import build_run_model, checkpoint_due, due_by_steps, epoch_line
-from raytrain_mp.errors import RunFailedError, UsageError
+from raytrain_mp.errors import OptionError, RunFailedError, UsageError
 from raytrain_mp.interruption import Interrupted
 from raytrain_mp.lr_schedule import schedule_for
 from raytrain_mp.models import check_model
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
 from raytrain_mp.pipeline.blocks import flatten_model
-from raytrain_mp.pipeline.config import PipelineConfig, as_flag_error
+from raytrain_mp.pipeline.config import FLAG_OF_ARGUMENT, PipelineConfig
 from raytrain_mp.pipeline.feed import StageData
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
 from raytrain_mp.pipeline.replicas import replica_and_stage
@@ -104,8 +104,8 @@ def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
         check_stage_count(len(names), cfg.stages * cfg.virtual_stages)
         if cfg.split_points:
             split_bounds(names, cfg.split_points, cfg.stages * cfg.virtual_stages)
-    except UsageError as exc:
-        raise as_flag_error(exc) from None
+    except OptionError as exc:
+        raise exc.named(FLAG_OF_ARGUMENT) from None
     name = cfg.name or time.strftime("pipeline-%Y%m%d-%H%M%S")
     cfg = dataclasses.replace(cfg, data=data, name=name, storage_path=absolute_path(cfg.storage_path))
     check_reachable(locate(cfg.storage_path, "--storage-path"), "--storage-path")
@@ -227,8 +227,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             try:
                 try:
                     trainer = make_trainer(cfg, model, schedule(steps_done), sample, data)
-                except UsageError as exc:
-                    raise as_flag_error(exc) from None
+                except OptionError as exc:
+                    raise exc.named(FLAG_OF_ARGUMENT) from None
                 try:
                     # Restarts keep this cut, also before the first checkpoint; it is settled, so no more trials.
                     cfg = dataclasses.replace(
@@ -311,31 +311,7 @@ def describe_trial(trial: BalanceTrial) -> str:
 def make_trainer(
     cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch.Tensor, data: StageData
 ) -> PipelineTrainer:
-    balance = None if cfg.split_points else (None if cfg.balance == "none" else cfg.balance)
-    return PipelineTrainer(
-        model,
-        cfg.stages,
-        split_points=cfg.split_points,
-        balance=balance,
-        schedule=cfg.schedule,
-        num_microbatches=cfg.microbatches,
-        optimizer=cfg.optimizer,
-        lr=lr,
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
-        use_gpu=cfg.use_gpu,
-        deferred_bn=cfg.deferred_bn,
-        clip_grad_norm=cfg.clip_grad_norm,
-        autocast_bf16=cfg.precision == "bf16",
-        memory_format=cfg.memory_format,
-        placement_strategy=cfg.placement,
-        cpus_per_stage=cfg.cpus_per_stage,
-        sample_input=sample,
-        virtual_stages=cfg.virtual_stages,
-        num_replicas=cfg.replicas,
-        balance_trials=cfg.balance_trials if balance == "time" else 0,
-        data=data,
-    )
+    return PipelineTrainer.from_spec(model, cfg.pipeline_spec(lr), sample_input=sample, data=data)
 
 
 def stage_time_metrics(stats: StepStats, cfg: PipelineConfig) -> dict:

@@ -5,7 +5,7 @@ Job: validate the options, cut the model into stages (``blocks`` + ``partition``
 group, and make one call per rank per step: the inputs go to rank 0 and the targets to the last
 rank, once; the ranks run the schedule themselves and exchange activations and gradients point to
 point (``stage``). Ray owns placement, GPU pinning, lifecycle and failure handling. The trainer
-builds, submits steps and holds state; ``options``, ``placement``, ``actors``, ``failures``,
+builds, submits steps and holds state; ``spec``, ``placement``, ``actors``, ``failures``,
 ``trials``, ``submission`` and ``stats`` do the rest.
 
 With ``num_replicas`` R > 1 (data x pipeline parallelism) there are R such pipelines, each in its
@@ -50,11 +50,12 @@ from raytrain_mp.pipeline.blocks import Block, StageModule, block_parameter_coun
 from raytrain_mp.pipeline.failures import StageFailedError
 from raytrain_mp.pipeline.feed import StageData, val_chunks
 from raytrain_mp.pipeline.handoff import to_wire
-from raytrain_mp.pipeline.options import balance_mode, check_batch, check_options, check_trials
-from raytrain_mp.pipeline.partition import StagePlan, balance_bounds, check_stage_count, plan_stages, split_bounds
-from raytrain_mp.pipeline.placement import PLACEMENT_STRATEGIES, check_resources, node_ids, placement_groups, reserve
-from raytrain_mp.pipeline.replicas import check_replicas, replica_shares
+from raytrain_mp.pipeline.layouts import PLACEMENT_STRATEGIES
+from raytrain_mp.pipeline.partition import StagePlan, balance_bounds, plan_stages, split_bounds
+from raytrain_mp.pipeline.placement import check_resources, node_ids, placement_groups, reserve
+from raytrain_mp.pipeline.replicas import replica_shares
 from raytrain_mp.pipeline.schedule import SCHEDULES, check_schedule, schedule_entry, stage_indices
+from raytrain_mp.pipeline.spec import PipelineSpec, check_batch, stage_template
 from raytrain_mp.pipeline.stage_config import StageConfig
 from raytrain_mp.pipeline.stats import StepStats, StepTimes
 from raytrain_mp.pipeline.submission import Call, Payload, StepQueue
@@ -65,6 +66,9 @@ __all__ = ["PLACEMENT_STRATEGIES", "PipelineTrainer", "StageFailedError", "check
 
 class PipelineTrainer:
     """Train ``model`` cut into stages over ``num_stages`` Ray actors (ranks) with a pipeline schedule.
+
+    The keyword arguments are the fields of a ``spec.PipelineSpec``, validated once;
+    ``PipelineTrainer.from_spec(model, spec, sample_input, data)`` takes the spec itself.
 
     ``virtual_stages`` V > 1 (interleaved schedules) cuts the model into ``num_stages * V`` parts
     and rank r holds parts r, r + num_stages, ...; ``split_points`` then names ``num_stages * V - 1``
@@ -142,92 +146,70 @@ class PipelineTrainer:
         balance_trials: int = 0,
         data: StageData | None = None,
     ) -> None:
+        arguments = locals()  # the keyword arguments are the spec's fields: a thin layer over it
+        spec = PipelineSpec(**{name: arguments[name] for name in PipelineSpec.field_names()})
+        self._build(model, spec, sample_input, data)
+
+    @classmethod
+    def from_spec(
+        cls, model: nn.Module, spec: PipelineSpec, sample_input: Tensor | None = None, data: StageData | None = None
+    ) -> PipelineTrainer:
+        """The trainer of ``spec`` (``PipelineTrainer(model, **dataclasses.asdict(spec), ...)``)."""
+        trainer = cls.__new__(cls)
+        trainer._build(model, spec, sample_input, data)
+        return trainer
+
+    def _build(self, model: nn.Module, spec: PipelineSpec, sample_input: Tensor | None, data: StageData | None) -> None:
         # Everything that can be checked without a cluster, first.
         blocks = flatten_model(model, sample_input)
         names = [block.name for block in blocks]
-        if virtual_stages < 1:
-            raise UsageError(f"virtual_stages: must be >= 1, got {virtual_stages}")
-        parts = num_stages * virtual_stages
-        check_stage_count(len(blocks), parts)
-        self.num_stages, self.virtual_stages, self.layout = num_stages, virtual_stages, schedule_entry(schedule).layout
-        self.set_schedule(schedule, num_microbatches)
-        check_options(
-            model, optimizer, lr, momentum, weight_decay, clip_grad_norm, cpus_per_stage, p2p_timeout_s, memory_format
-        )
-        check_replicas(num_replicas)
-        self.num_replicas = num_replicas
-        self.data = data
+        balance = spec.validate(model, len(blocks), sample_input)
+        self.spec, parts = spec, spec.parts
+        self.num_stages, self.virtual_stages = spec.num_stages, spec.virtual_stages
+        self.layout = schedule_entry(spec.schedule).layout
+        self.schedule, self.num_microbatches = spec.schedule, spec.num_microbatches
+        self.num_replicas, self.data = spec.num_replicas, data
         if data is not None:
             meta = read_meta(data.root)
             data.check(meta)
-            check_batch(data.global_batch_size, num_microbatches, num_replicas)
+            check_batch(data.global_batch_size, spec.num_microbatches, spec.num_replicas)
             self.steps_per_epoch = meta.counts["train"] // data.global_batch_size
             self._val_count = meta.counts["val"]
             height, width, channels = meta.image_shape
             self._input_shape = (channels, height, width)
-        balance = balance_mode(split_points, balance, sample_input, num_microbatches)
-        check_trials(balance, balance_trials, sample_input, num_microbatches, num_replicas)
         params = block_parameter_counts(model, blocks)
-        bounds = split_bounds(names, split_points, parts) if split_points is not None else None
+        bounds = split_bounds(names, spec.split_points, parts) if spec.split_points is not None else None
         if balance == "params":
             bounds = balance_bounds(params, parts)
 
         loaders = data.loader_workers if data is not None else 0
         use_gpu, bundles, alive = reserve(
-            num_stages, num_replicas, use_gpu, cpus_per_stage, loaders, placement_strategy
+            spec.num_stages, spec.num_replicas, spec.use_gpu, spec.cpus_per_stage, loaders, spec.placement_strategy
         )
-        self.use_gpu, self.clip_grad_norm, self.p2p_timeout_s = use_gpu, clip_grad_norm, p2p_timeout_s
-        self._times = StepTimes(num_replicas * num_stages)
-        pgs = placement_groups(alive, bundles, placement_strategy, num_replicas)
-        self._stages = StageActors(num_stages, num_replicas, use_gpu, bundles, pgs, p2p_timeout_s)
+        self.use_gpu, self.clip_grad_norm, self.p2p_timeout_s = use_gpu, spec.clip_grad_norm, spec.p2p_timeout_s
+        self._times = StepTimes(spec.num_replicas * spec.num_stages)
+        pgs = placement_groups(alive, bundles, spec.placement_strategy, spec.num_replicas)
+        self._stages = StageActors(spec.num_stages, spec.num_replicas, use_gpu, bundles, pgs, spec.p2p_timeout_s)
         self._queue = StepQueue(self._stages, self._times)
         try:
-            self._stages.wait_for_placement(placement_strategy)
+            self._stages.wait_for_placement(spec.placement_strategy)
             # The model's own order: a stage attaches a residual block's downsample with its strided conv.
             self._model_keys = list(model.state_dict())
-            template = StageConfig(
-                rank=0,
-                num_ranks=num_stages,
-                virtual_stages=virtual_stages,
-                optimizer=optimizer,
-                lr=lr,
-                momentum=momentum,
-                weight_decay=weight_decay,
-                use_gpu=use_gpu,
-                num_cpus=cpus_per_stage,
-                deferred_bn=deferred_bn,
-                autocast_bf16=autocast_bf16,
-                memory_format=memory_format,
-                p2p_timeout_s=p2p_timeout_s,
-                replica=0,
-                num_replicas=num_replicas,
-                data=data,
-                layout=self.layout,
-            )
+            template = stage_template(spec, use_gpu, data, self.layout)
             self.balance_trials: list[BalanceTrial] = []  # per cut run on the actors, the profile's first
             self.profile: list[tuple[float, float]] | None = None  # per block, (forward, backward) seconds
             seconds = forward = None
             if balance == "time":
-                sample = sample_input[: -(-len(sample_input) // num_microbatches)]  # the first micro-batch
+                sample = sample_input[: -(-len(sample_input) // spec.num_microbatches)]  # the first micro-batch
                 self.profile = profile(self._stages, model, blocks, sample, template)
                 forward, backward = (list(phase) for phase in zip(*self.profile))
                 seconds = [f + b for f, b in zip(forward, backward)]
                 fill_drain = SCHEDULES[self.schedule].fill_drain
                 bounds = time_cut(forward, backward, parts, fill_drain)
-                if balance_trials:
+                if spec.balance_trials:
                     try:
-                        bounds, self.balance_trials = fastest_cut(
-                            self,
-                            model,
-                            blocks,
-                            template,
-                            bounds,
-                            forward,
-                            backward,
-                            sample_input,
-                            balance_trials,
-                            fill_drain,
-                        )
+                        trial = (template, bounds, forward, backward, sample_input, spec.balance_trials, fill_drain)
+                        bounds, self.balance_trials = fastest_cut(self, model, blocks, *trial)
                     except StageFailedError as exc:
                         raise exc.during("in a balance trial") from exc.__cause__
             self.plan: list[StagePlan] = plan_stages(names, bounds, params, seconds, forward)
