@@ -53,8 +53,8 @@ def measure(model: Any, x: Any, y: Any, point: str, m: int, steps: int) -> dict[
     return {
         "busy_seconds": busy,
         "forward_busy_seconds": forward,
-        "bubble_fraction": statistics.median(s["bubble_fraction"] for s in stats),
-        "wall_seconds": statistics.median(s["wall_seconds"] for s in stats),
+        "bubble_fraction": statistics.median(s.bubble_fraction for s in stats),
+        "wall_seconds": statistics.median(s.wall_seconds for s in stats),
         "bubble_for_stage_times": bubble_for_stage_times(busy, m, forward),
     }
 

@@ -78,9 +78,9 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
     samples = {
         "step_seconds": seconds,
         "queued_step_seconds": queued,
-        "bubble_fraction": [s["bubble_fraction"] for s in measured],
+        "bubble_fraction": [s.bubble_fraction for s in measured],
         "queued_bubble_fraction": queued_bubbles,
-        "rank_step_seconds": [s["rank_seconds_per_step"] for s in measured],
+        "rank_step_seconds": [s.rank_seconds_per_step for s in measured],
     }
     run = {
         "schedule": schedule,
