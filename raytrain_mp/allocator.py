@@ -5,12 +5,8 @@ Job: ``keep_freed_memory`` sets glibc's malloc so that memory a training step fr
 process for the next step. By default glibc trims the top of its heap and serves blocks above an
 adaptive threshold by ``mmap``, returning them to the OS when freed, so every step pays page
 faults again for the same tensors: the gradients (freed by ``zero_grad(set_to_none=True)``) and
-the activations. Measured here (ResNet-50 at 128x128, micro-batch 8, 1 thread, 8 micro-batches
-and an SGD step a step): the stage after ``layer3`` faulted 47,000-108,000 pages a step and took
-2.86-3.03 s; keeping freed memory, 0-1,500 pages and 2.60-2.66 s. The stage before it (large
-activations, few parameters): 2.25-2.34 s against 2.19-2.24 s. Profiling blocks one after another
-in a fresh process was skewed the same way (ResNet-50's first half 0.41 s per micro-batch against
-0.32 s kept), so the balance cut in the wrong place.
+the activations. That slows a step, and skews the profile that time balance cuts by (the
+figures: docs/performance.md, "freed memory kept").
 
 Why not a library: jemalloc or tcmalloc would do this too, but must be installed and preloaded
 (``LD_PRELOAD``) before the process starts, which a Ray worker's runtime environment would have to

@@ -10,6 +10,8 @@ message names what failed, when and why in a few words.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 
@@ -19,6 +21,24 @@ class UsageError(ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(str(message).split()))
+
+
+class OptionError(UsageError):
+    """A ``UsageError`` about one option of a Python API: says ``"option: detail"``; a command line
+    that took the option as a flag says the same of its flag (``named``). ``mentions`` are other
+    options the detail names, in its words, as ``(name)``."""
+
+    def __init__(self, option: str, detail: str, mentions: tuple[str, ...] = ()) -> None:
+        self.option, self.detail, self.mentions = option, " ".join(str(detail).split()), mentions
+        super().__init__(f"{option}: {self.detail}")
+
+    def named(self, names: Mapping[str, str]) -> UsageError:
+        """The same error with the option, and each option it mentions, called by ``names``
+        (Python name -> the caller's name; a name not in it stays)."""
+        detail = self.detail
+        for mention in self.mentions:
+            detail = detail.replace(f"({mention})", f"({names.get(mention, mention)})")
+        return UsageError(f"{names.get(self.option, self.option)}: {detail}")
 
 
 class RunFailedError(RuntimeError):

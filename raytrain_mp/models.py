@@ -70,7 +70,7 @@ MODEL_HELP = (
     "nn.Module (the working directory is importable)"
 )
 # The ResNet family (torchvision.models.ResNet), the models the small-stem rule and the pipeline
-# benchmark's seeds' split (layer3) apply to; tests/test_models.py checks it against torchvision.
+# benchmark's layer3 split apply to; tests/test_models.py checks it against torchvision.
 RESNET_NAMES = (
     "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "resnext101_32x8d",
     "resnext101_64x4d", "wide_resnet50_2", "wide_resnet101_2",

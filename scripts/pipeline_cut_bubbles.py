@@ -48,13 +48,13 @@ def measure(model: Any, x: Any, y: Any, point: str, m: int, steps: int) -> dict[
         for _ in range(steps):
             trainer.train_step(x, y)
             stats.append(trainer.stats(reset=True))
-    busy = [statistics.median(s["busy_seconds"][stage] for s in stats) for stage in range(2)]
-    forward = [statistics.median(s["forward_busy_seconds"][stage] for s in stats) for stage in range(2)]
+    busy = [statistics.median(s.busy_seconds[stage] for s in stats) for stage in range(2)]
+    forward = [statistics.median(s.forward_busy_seconds[stage] for s in stats) for stage in range(2)]
     return {
         "busy_seconds": busy,
         "forward_busy_seconds": forward,
-        "bubble_fraction": statistics.median(s["bubble_fraction"] for s in stats),
-        "wall_seconds": statistics.median(s["wall_seconds"] for s in stats),
+        "bubble_fraction": statistics.median(s.bubble_fraction for s in stats),
+        "wall_seconds": statistics.median(s.wall_seconds for s in stats),
         "bubble_for_stage_times": bubble_for_stage_times(busy, m, forward),
     }
 

@@ -2,8 +2,8 @@
 
     python scripts/pipeline_timeline.py [--microbatches 8] [--rounds 3] [--steps 6] [--out pipeline-timeline]
 
-``bench pipeline`` times whole steps on the seeds' split; this opens them. In each of ``--rounds``
-rounds it runs what the bench runs on the seeds' split, ours then torch's (``bench.pipeline.layout_runs``:
+``bench pipeline`` times whole steps on the layer3 split; this opens them. In each of ``--rounds``
+rounds it runs what the bench runs on the layer3 split, ours then torch's (``bench.pipeline.layout_runs``:
 GPipe and 1F1B at each m, one step a call and queued; then ``native_runs`` under torchrun with each
 stage in the layout ours chose, ``resnet_case(..., ours)``), and in every rank of both it records the
 span of each ``PipelineStage`` forward and backward inside each schedule step. Ours and torch's

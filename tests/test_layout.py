@@ -215,6 +215,18 @@ def test_each_package_says_its_job_and_what_it_may_import(package):
         assert f"raytrain_mp.{other}" in doc.split("May import:")[1], (package, other)
 
 
+MAX_MODULE_LINES = 450  # DESIGN.md's Layout: no module over ~450 lines
+
+
+def test_no_module_is_over_450_lines():
+    long = {
+        str(p.relative_to(PACKAGE)): lines
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (lines := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
 def test_every_module_starts_with_a_docstring():
     missing = [
         str(p.relative_to(PACKAGE))

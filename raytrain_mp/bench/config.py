@@ -14,7 +14,7 @@ from raytrain_mp.models import MODEL_HELP, RESNET_NAMES, check_model_syntax
 from raytrain_mp.pipeline.layouts import MEMORY_FORMATS
 from raytrain_mp.pipeline.schedule import SCHEDULES
 
-SEEDS_SPLIT = ("layer3",)
+LAYER3_SPLIT = ("layer3",)
 
 
 def check_shared(cfg: Any) -> None:
@@ -83,8 +83,12 @@ class BenchDDPConfig:
 @dataclasses.dataclass
 class BenchPipelineConfig:
     out: str = option("", "folder for results.json and the plots")
-    # The seeds' split (layer3) and the native peer's stage modules are ResNet layers: ResNets only.
-    model: str = option("resnet50", "model: a torchvision ResNet (the seeds' split cuts before layer3)", RESNET_NAMES)
+    # The layer3 split and the native peer's stage modules are ResNet layers: ResNets only.
+    model: str = option(
+        "resnet50",
+        "model: a torchvision ResNet (the layer3 split: cut before layer3, where the seeds cut ResNet-50)",
+        RESNET_NAMES,
+    )
     image_size: int = option(128, "side of the random square input images in pixels")
     global_batch_size: int = option(64, "samples per training step", aliases=("batch_size",))
     num_classes: int = option(1000, "classes of the random labels (the seeds' ResNet-50 has 1000)")
@@ -99,16 +103,16 @@ class BenchPipelineConfig:
     microbatches: tuple[int, ...] = option(
         (2, 4, 8),
         "micro-batch counts m to sweep: ours on both layouts, native, grad accumulation (naive model parallel, "
-        "m=1 on the seeds' split, is always run; 1F1B needs m >= --stages)",
+        "m=1 on the layer3 split, is always run; 1F1B needs m >= --stages)",
     )
     memory_format: str = option(
         "auto",
         "layout our stages compute in (PipelineTrainer's memory_format: auto measures each stage in both); "
-        "unless contiguous, the native peer also runs the seeds' split in the layouts ours chose "
+        "unless contiguous, the native peer also runs the layer3 split in the layouts ours chose "
         "(results['native_ours_layouts'])",
         MEMORY_FORMATS,
     )
-    split_points: tuple[str, ...] = option(SEEDS_SPLIT, "the fixed split: cut before these modules (the seeds' split)")
+    split_points: tuple[str, ...] = option(LAYER3_SPLIT, "the fixed split: cut before these modules (the layer3 split)")
     balanced: bool = option(True, "also run time-balanced stages (GPipe only)")
     interleaved: bool = option(True, "also run time-balanced stages, 2 per actor, with interleaved 1F1B")
     balance_microbatches: int = option(8, "balanced stages are profiled on a micro-batch of global-batch-size / this")
@@ -118,11 +122,11 @@ class BenchPipelineConfig:
         "profile's, then the profile rescaled to what each stage measured, cut anew (PipelineTrainer's "
         "balance_trials; 0: the profile decides)",
     )
-    steps: int = option(3, "timed steps per figure (and round, on the seeds' split)")
+    steps: int = option(3, "timed steps per figure (and round, on the layer3 split)")
     warmup: int = option(1, "untimed steps before each figure")
     resnet_rounds: int = option(
         3,
-        "rounds of ours then native on the seeds' split, pooled (drift of a shared machine's speed then hits both "
+        "rounds of ours then native on the layer3 split, pooled (drift of a shared machine's speed then hits both "
         "alike)",
     )
     seed: int = option(0, "seed of the model and the random batch")

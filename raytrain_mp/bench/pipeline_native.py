@@ -2,7 +2,7 @@
 
 Job: join the process group torchrun describes (NCCL with one GPU per rank when the settings'
 ``use_gpu`` says so, gloo on CPUs otherwise) and, for each case of the settings in turn (``resnet``:
-the seeds'-split layout's stages, ``bench.pipeline.native.resnet_case``; ``overhead``: the tiny MLP
+the layer3-split layout's stages, ``bench.pipeline.native.resnet_case``; ``overhead``: the tiny MLP
 of the overhead case, ``bench.pipeline.overhead.overhead_case``), build the same seeded model and
 batch as ``bench.pipeline`` (``bench.pipeline.shared``; the case names ``seeded_setup`` or
 ``seeded_mlp`` and its arguments), take this rank's stage of the case's block names

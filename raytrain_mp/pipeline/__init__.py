@@ -8,11 +8,16 @@ placement, BatchNorm merge weights), ``handoff`` (a batch to a stage actor, zero
 (memory-format names), ``memory_format`` (a stage's layout: channels-last or contiguous inside,
 contiguous at its edges), ``busy_clock`` (the seconds a rank computes, timed on its device). Ray pieces:
 ``feed`` (a replica's batches read on its first and last stage: ``StageData``), ``stage`` (one rank's
-actor body, running torch.distributed.pipelining's schedules), ``replica_sync`` (what a stage's replicas
-all-reduce after each step), ``teardown`` (stopping actors: returns once they are dead), ``blame``
-(which rank a failed call names, from Ray's errors: a rule without a running Ray), ``trainer``
-(``PipelineTrainer``, the driver) and ``run`` (the ``raytrain-mp pipeline`` training run over epochs);
-``config`` holds its ``PipelineConfig``.
+actor body, running torch.distributed.pipelining's schedules) with ``stage_config`` (what a rank is
+given, its device), ``timed_stage`` (torch's stage, timed, receives posted ahead, last backward split)
+and ``shaped_p2p`` (eval tensors between ranks), ``replica_sync`` (what a stage's replicas all-reduce
+after each step), ``teardown`` (stopping actors: returns once they are dead), ``blame`` (which rank a
+failed call names, from Ray's errors: a rule without a running Ray). The driver: ``spec`` (``PipelineSpec``:
+every option, validated once), ``placement`` (joining Ray, bundles, resource check, placement groups),
+``actors`` (the stage actors: start, call, gather, stop), ``failures`` (``StageFailedError``, waiting
+for the origin), ``trials`` (time balance: profile, cut, balance trials), ``submission`` (the queue
+of step calls), ``stats`` (``StepStats``), ``trainer`` (``PipelineTrainer``, over those) and ``run``
+(the ``raytrain-mp pipeline`` training run over epochs); ``config`` holds its ``PipelineConfig``.
 
 May import: the shared layer (``raytrain_mp.config``, ``checkpointing``, ``cluster``, ``storage``, ``errors``,
 ``lr_schedule``, ``models``, ``optim``) and ``raytrain_mp.data``; no other capability.
@@ -55,7 +60,12 @@ _EXPORTS = {
         ),
         "schedule",
     ),
-    **dict.fromkeys(("PLACEMENT_STRATEGIES", "PipelineTrainer", "StageFailedError"), "trainer"),
+    "PLACEMENT_STRATEGIES": "placement",
+    "PipelineSpec": "spec",
+    "PipelineTrainer": "trainer",
+    "StageFailedError": "failures",
+    "BalanceTrial": "trials",
+    "StepStats": "stats",
     "StageData": "feed",
 }
 

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torchvision.models import ResNet
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from raytrain_mp.errors import UsageError
+from raytrain_mp.errors import OptionError
 from raytrain_mp.pipeline.block import Block, Carry, pack, resolve
 from raytrain_mp.pipeline.traced import flatten_traced
 
@@ -128,7 +128,7 @@ def _check_covers_state(model: nn.Module, blocks: Sequence[Block]) -> None:
     prefixes = tuple(f"{path}." for path in paths)
     outside = [key for key in model.state_dict() if key not in paths and not key.startswith(prefixes)]
     if outside:
-        raise UsageError(f"model: state outside every pipeline block: {', '.join(outside[:5])}")
+        raise OptionError("model", f"state outside every pipeline block: {', '.join(outside[:5])}")
 
 
 def block_parameter_counts(model: nn.Module, blocks: Sequence[Block]) -> list[int]:

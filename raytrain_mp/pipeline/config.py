@@ -7,14 +7,18 @@ Pure: no Ray, no writes; ``validate()`` runs before any stage actor starts.
 from __future__ import annotations
 
 import dataclasses
-import re
+from typing import TYPE_CHECKING
 
 from raytrain_mp.config import TrainOptions, check, check_choice, option
-from raytrain_mp.errors import UsageError
-from raytrain_mp.pipeline.layouts import MEMORY_FORMATS
-from raytrain_mp.pipeline.schedule import SCHEDULES, check_schedule
+from raytrain_mp.errors import OptionError
+from raytrain_mp.pipeline.layouts import MEMORY_FORMATS, PLACEMENT_STRATEGIES
+from raytrain_mp.pipeline.schedule import SCHEDULES
 
-# PipelineTrainer's errors name its Python arguments; on the command line they are these flags.
+if TYPE_CHECKING:  # the spec loads torch; this module loads neither torch nor Ray
+    from raytrain_mp.pipeline.spec import PipelineSpec
+
+# PipelineTrainer's errors name its Python arguments (``errors.OptionError``); on the command line
+# they are these flags.
 FLAG_OF_ARGUMENT = {
     "num_stages": "--stages",
     "num_replicas": "--replicas",
@@ -28,17 +32,10 @@ FLAG_OF_ARGUMENT = {
     "balance": "--balance",
     "schedule": "--schedule",
     "model": "--model",
+    "data.loader_workers": "--loader-workers",
 }
 
-
-def as_flag_error(exc: UsageError) -> UsageError:
-    """The same one-line error with the Python argument it starts with renamed to its flag."""
-    text = re.sub(r"^(\w+):", lambda m: FLAG_OF_ARGUMENT.get(m.group(1), m.group(1)) + ":", str(exc))
-    return UsageError(text.replace("(data.loader_workers)", "(--loader-workers)"))
-
-
 BALANCES = ("time", "params", "none")
-PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
 
 
 @dataclasses.dataclass
@@ -49,7 +46,8 @@ class PipelineConfig(TrainOptions):
         1, "data-parallel copies of the pipeline, each on its share of every batch: --replicas x --stages actors"
     )
     split_points: list | None = option(
-        None, "cut before these modules, e.g. layer3 (the seeds' split); overrides --balance"
+        None,
+        "cut before these modules, e.g. layer3 (the layer3 split, where the seeds cut ResNet-50); overrides --balance",
     )
     balance: str = option("time", "cut stages by measured time, parameter count, or none (= params)", BALANCES)
     balance_trials: int = option(
@@ -73,7 +71,7 @@ class PipelineConfig(TrainOptions):
     global_batch_size: int = option(64, "samples per optimizer step (all micro-batches)", aliases=("batch_size",))
     use_gpu: bool | None = option(None, "one GPU per stage (default: when the cluster has one for each stage)")
     cpus_per_stage: int = option(1, "CPUs per stage actor; also its torch thread count")
-    placement: str = option("STRICT_PACK", "placement group strategy of the stages", PLACEMENTS)
+    placement: str = option("STRICT_PACK", "placement group strategy of the stages", PLACEMENT_STRATEGIES)
     deferred_bn: bool = option(False, "BatchNorm running statistics committed once per batch (torchgpipe)")
     memory_format: str = option(
         "auto",
@@ -112,7 +110,6 @@ class PipelineConfig(TrainOptions):
             f"must divide --global-batch-size {self.global_batch_size} into equal micro-batches "
             f"(torch's pipeline runtime needs them equal), got {self.microbatches}",
         )
-        check(self.virtual_stages >= 1, "virtual_stages", f"must be >= 1, got {self.virtual_stages}")
         check(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
         check(
             self.global_batch_size % (self.replicas * self.microbatches) == 0,
@@ -120,10 +117,6 @@ class PipelineConfig(TrainOptions):
             f"{self.replicas} replicas x --microbatches {self.microbatches} must divide --global-batch-size "
             f"{self.global_batch_size} into equal micro-batches, got {self.replicas}",
         )
-        try:
-            check_schedule(self.schedule, self.stages, self.virtual_stages, self.microbatches)
-        except UsageError as exc:
-            raise as_flag_error(exc) from None
         check(self.cpus_per_stage >= 1, "cpus_per_stage", f"must be >= 1, got {self.cpus_per_stage}")
         check(self.balance_trials >= 0, "balance_trials", f"must be >= 0, got {self.balance_trials}")
         check(
@@ -137,11 +130,6 @@ class PipelineConfig(TrainOptions):
         check(self.loader_prefetch >= 1, "loader_prefetch", f"must be >= 1, got {self.loader_prefetch}")
         every = self.checkpoint_every_steps
         check(every is None or every >= 1, "checkpoint_every_steps", f"must be >= 1, got {every}")
-        check(
-            self.clip_grad_norm is None or self.clip_grad_norm > 0,
-            "clip_grad_norm",
-            f"must be > 0, got {self.clip_grad_norm}",
-        )
         if self.split_points is not None:
             parts = self.stages * self.virtual_stages
             check(
@@ -150,3 +138,35 @@ class PipelineConfig(TrainOptions):
                 f"{len(self.split_points)} split point(s) make {len(self.split_points) + 1} stages, not {parts} "
                 f"(--stages {self.stages} x --virtual-stages {self.virtual_stages})",
             )
+        try:  # the pipeline's own settings, as PipelineTrainer checks them
+            self.pipeline_spec(self.base_lr).check_settings()
+        except OptionError as exc:
+            raise exc.named(FLAG_OF_ARGUMENT) from None
+
+    def pipeline_spec(self, lr: float) -> PipelineSpec:
+        """The ``PipelineTrainer`` spec of these flags, at learning rate ``lr``."""
+        from raytrain_mp.pipeline.spec import PipelineSpec
+
+        split = self.split_points
+        balance = None if split or self.balance == "none" else self.balance
+        return PipelineSpec(
+            num_stages=self.stages,
+            split_points=split,
+            balance=balance,
+            schedule=self.schedule,
+            num_microbatches=self.microbatches,
+            optimizer=self.optimizer,
+            lr=lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            use_gpu=self.use_gpu,
+            deferred_bn=self.deferred_bn,
+            clip_grad_norm=self.clip_grad_norm,
+            autocast_bf16=self.precision == "bf16",
+            memory_format=self.memory_format,
+            placement_strategy=self.placement,
+            cpus_per_stage=self.cpus_per_stage,
+            virtual_stages=self.virtual_stages,
+            num_replicas=self.replicas,
+            balance_trials=self.balance_trials if balance == "time" else 0,
+        )

@@ -5,9 +5,8 @@ cheapest, and ``from_wire`` turns it back into a tensor on the actor.
 
 Why not Ray's default: Ray pickles a ``torch.Tensor`` through torch's own reducer, which copies the
 storage into a byte string on the driver and out of it on the actor. A NumPy array instead rides
-pickle 5's out-of-band buffers: one copy into the object store, and the actor reads it in place.
-Measured on this machine (an actor call carrying a 64x3x128x128 float32 batch, 12.6 MB, median of
-10): 25-36 ms as a tensor, 4-8 ms as a NumPy array. Ray's ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``
+pickle 5's out-of-band buffers: one copy into the object store, and the actor reads it in place
+(the figures: docs/performance.md, "the hand-off"). Ray's ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``
 does the same, but for every tensor of the process (state dicts included) and is marked
 experimental; this module does it for the batch only.
 

@@ -8,11 +8,9 @@ contiguous output; for ``"contiguous"`` the module itself. ``faster_layout`` tim
 stage in both layouts on one micro-batch and names the faster (``"auto"``).
 
 Why: convolutions on NHWC run faster where the kernels are written for it (oneDNN on CPUs, tensor
-cores under autocast on GPUs), but not everywhere: ResNet-50 at 128x128, micro-batches of 8, one
-thread on this machine, channels-last made the early layers' forward much faster (stage 0 of the
-cut before ``layer3.0.conv3``: 0.209 -> 0.161 s) and the late, 8x8 and 4x4, layers slower (stage
-1: 0.138 -> 0.152 s), and in the pipeline it put 1F1B at m=8 on the seeds' split up to 14%
-behind the contiguous model. So a stage is measured in both, as it will run. Why not torch's runtime alone:
+cores under autocast on GPUs), but not everywhere: on ResNet-50 channels-last speeds the early,
+high-resolution layers up and slows the late 8x8 and 4x4 ones down (the figures: docs/pipeline.md,
+"Memory format"). So a stage is measured in both, as it will run. Why not torch's runtime alone:
 ``PipelineStage`` sizes its receive buffers from shapes (contiguous), and a P2P transfer (gloo,
 NCCL) moves a tensor's storage as raw bytes, so a channels-last activation or gradient sent as it
 is would arrive scrambled into the peer's buffer. This module is that boundary, written once for

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from raytrain_mp.errors import UsageError
+from raytrain_mp.errors import OptionError, UsageError
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,11 @@ class MicroBatch:
 
 def check_microbatches(num_microbatches: int, batch_size: int) -> None:
     if num_microbatches < 1:
-        raise UsageError(f"num_microbatches: need at least 1 micro-batch, got {num_microbatches}")
+        raise OptionError("num_microbatches", f"need at least 1 micro-batch, got {num_microbatches}")
     if num_microbatches > batch_size:
-        raise UsageError(
-            f"num_microbatches: {num_microbatches} micro-batches need a batch of at least "
-            f"{num_microbatches} samples, got {batch_size}"
+        raise OptionError(
+            "num_microbatches",
+            f"{num_microbatches} micro-batches need a batch of at least {num_microbatches} samples, got {batch_size}",
         )
 
 

@@ -42,7 +42,7 @@ from math import inf
 import torch
 from torch import Tensor, nn
 
-from raytrain_mp.errors import UsageError
+from raytrain_mp.errors import OptionError, UsageError
 from raytrain_mp.pipeline.block import Block, Carry
 from raytrain_mp.pipeline.layouts import LAYOUTS
 
@@ -64,10 +64,10 @@ class StagePlan:
 
 def check_stage_count(num_blocks: int, num_stages: int) -> None:
     if num_stages < 1:
-        raise UsageError(f"num_stages: need at least 1 stage, got {num_stages}")
+        raise OptionError("num_stages", f"need at least 1 stage, got {num_stages}")
     if num_stages > num_blocks:
-        raise UsageError(
-            f"num_stages: {num_stages} stages for {num_blocks} blocks; each stage needs at least one block"
+        raise OptionError(
+            "num_stages", f"{num_stages} stages for {num_blocks} blocks; each stage needs at least one block"
         )
 
 
@@ -79,18 +79,18 @@ def split_bounds(block_names: Sequence[str], split_points: Sequence[str], num_st
     """
     check_stage_count(len(block_names), num_stages)
     if len(split_points) != num_stages - 1:
-        raise UsageError(
-            f"split_points: {num_stages} stages need {num_stages - 1} split point(s), got {len(split_points)}"
+        raise OptionError(
+            "split_points", f"{num_stages} stages need {num_stages - 1} split point(s), got {len(split_points)}"
         )
     bounds = [0]
     for point in split_points:
         start = _first_block(block_names, point)
         if start == 0:
-            raise UsageError(f"split_points: cutting before {point!r} would leave stage 0 empty")
+            raise OptionError("split_points", f"cutting before {point!r} would leave stage 0 empty")
         if start <= bounds[-1]:
-            raise UsageError(
-                f"split_points: {point!r} does not come after {block_names[bounds[-1]]!r}; "
-                "give split points in model order"
+            raise OptionError(
+                "split_points",
+                f"{point!r} does not come after {block_names[bounds[-1]]!r}; give split points in model order",
             )
         bounds.append(start)
     return bounds + [len(block_names)]
@@ -100,7 +100,7 @@ def _first_block(block_names: Sequence[str], point: str) -> int:
     for index, name in enumerate(block_names):
         if name == point or name.startswith(f"{point}."):
             return index
-    raise UsageError(f"split_points: {point!r} names no block; blocks: {', '.join(block_names)}")
+    raise OptionError("split_points", f"{point!r} names no block; blocks: {', '.join(block_names)}")
 
 
 def balance_bounds(costs: Sequence[float], num_stages: int, negligible: float = NEGLIGIBLE_SHARE) -> list[int]:

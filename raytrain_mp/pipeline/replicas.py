@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import Tensor
 
-from raytrain_mp.errors import UsageError
+from raytrain_mp.errors import OptionError
 
 
 def check_replicas(num_replicas: int, batch_size: int | None = None, num_microbatches: int = 1) -> None:
@@ -32,11 +32,12 @@ def check_replicas(num_replicas: int, batch_size: int | None = None, num_microba
     is given) ``num_replicas`` replicas of ``num_microbatches`` equal micro-batches each cut a
     batch of ``batch_size`` samples."""
     if num_replicas < 1 or int(num_replicas) != num_replicas:
-        raise UsageError(f"num_replicas: must be a whole number >= 1, got {num_replicas}")
+        raise OptionError("num_replicas", f"must be a whole number >= 1, got {num_replicas}")
     if batch_size is not None and batch_size % (num_replicas * num_microbatches):
-        raise UsageError(
-            f"num_replicas: {num_replicas} replicas x {num_microbatches} micro-batches do not divide a batch of "
-            f"{batch_size} samples; torch's pipeline runtime needs micro-batches of equal size"
+        raise OptionError(
+            "num_replicas",
+            f"{num_replicas} replicas x {num_microbatches} micro-batches do not divide a batch of "
+            f"{batch_size} samples; torch's pipeline runtime needs micro-batches of equal size",
         )
 
 

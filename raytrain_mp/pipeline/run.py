@@ -81,16 +81,18 @@ from raytrain_mp.epochs import (
     run_input_size,
     with_checked_model,
 )
-from raytrain_mp.errors import RunFailedError, UsageError
+from raytrain_mp.errors import OptionError, RunFailedError, UsageError
 from raytrain_mp.interruption import Interrupted, carried_signal
 from raytrain_mp.lr_schedule import schedule_for
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError
 from raytrain_mp.pipeline.blocks import flatten_model
-from raytrain_mp.pipeline.config import PipelineConfig, as_flag_error
+from raytrain_mp.pipeline.config import FLAG_OF_ARGUMENT, PipelineConfig
 from raytrain_mp.pipeline.feed import StageData
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
 from raytrain_mp.pipeline.replicas import replica_and_stage
 from raytrain_mp.pipeline.schedule import stage_times_bubble
+from raytrain_mp.pipeline.stats import StepStats
+from raytrain_mp.pipeline.trials import BalanceTrial
 from raytrain_mp.progress import Console, Progress, note
 from raytrain_mp.run_log import RunLog
 from raytrain_mp.storage import Location, check_reachable, latest_complete, locate
@@ -108,8 +110,8 @@ def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
         check_stage_count(len(names), cfg.stages * cfg.virtual_stages)
         if cfg.split_points:
             split_bounds(names, cfg.split_points, cfg.stages * cfg.virtual_stages)
-    except UsageError as exc:
-        raise as_flag_error(exc) from None
+    except OptionError as exc:
+        raise exc.named(FLAG_OF_ARGUMENT) from None
     name = cfg.name or time.strftime("pipeline-%Y%m%d-%H%M%S")
     cfg = dataclasses.replace(cfg, data=data, name=name, storage_path=absolute_path(cfg.storage_path))
     check_reachable(locate(cfg.storage_path, "--storage-path"), "--storage-path")
@@ -233,8 +235,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             try:
                 try:
                     trainer = make_trainer(cfg, model, schedule(steps_done), sample, data)
-                except UsageError as exc:
-                    raise as_flag_error(exc) from None
+                except OptionError as exc:
+                    raise exc.named(FLAG_OF_ARGUMENT) from None
                 try:
                     # Restarts keep this cut, also before the first checkpoint; it is settled, so no more trials.
                     cfg = dataclasses.replace(
@@ -309,54 +311,30 @@ def describe(plan) -> str:
     )
 
 
-def describe_trial(trial: dict) -> str:
+def describe_trial(trial: BalanceTrial) -> str:
     """One cut ``PipelineTrainer`` tried on running stages (an entry of its ``balance_trials``)."""
     return (
-        f"cut before {', '.join(trial['split_points'])}: the profile rates it {trial['profile_score']:.4f} s per "
-        f"micro-batch; per stage and micro-batch it ran {'/'.join(f'{s:.4f}' for s in trial['forward_seconds'])} s "
-        f"forward, {'/'.join(f'{s:.4f}' for s in trial['backward_seconds'])} s backward; "
-        f"bubble {trial['bubble_fraction']:.3f}, {trial['seconds_per_step']:.3f} s per step"
+        f"cut before {', '.join(trial.split_points)}: the profile rates it {trial.profile_score:.4f} s per "
+        f"micro-batch; per stage and micro-batch it ran {'/'.join(f'{s:.4f}' for s in trial.forward_seconds)} s "
+        f"forward, {'/'.join(f'{s:.4f}' for s in trial.backward_seconds)} s backward; "
+        f"bubble {trial.bubble_fraction:.3f}, {trial.seconds_per_step:.3f} s per step"
     )
 
 
 def make_trainer(
     cfg: PipelineConfig, model: nn.Module, lr: float, sample: torch.Tensor, data: StageData
 ) -> PipelineTrainer:
-    balance = None if cfg.split_points else (None if cfg.balance == "none" else cfg.balance)
-    return PipelineTrainer(
-        model,
-        cfg.stages,
-        split_points=cfg.split_points,
-        balance=balance,
-        schedule=cfg.schedule,
-        num_microbatches=cfg.microbatches,
-        optimizer=cfg.optimizer,
-        lr=lr,
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
-        use_gpu=cfg.use_gpu,
-        deferred_bn=cfg.deferred_bn,
-        clip_grad_norm=cfg.clip_grad_norm,
-        autocast_bf16=cfg.precision == "bf16",
-        memory_format=cfg.memory_format,
-        placement_strategy=cfg.placement,
-        cpus_per_stage=cfg.cpus_per_stage,
-        sample_input=sample,
-        virtual_stages=cfg.virtual_stages,
-        num_replicas=cfg.replicas,
-        balance_trials=cfg.balance_trials if balance == "time" else 0,
-        data=data,
-    )
+    return PipelineTrainer.from_spec(model, cfg.pipeline_spec(lr), sample_input=sample, data=data)
 
 
-def stage_time_metrics(stats: dict, cfg: PipelineConfig) -> dict:
+def stage_time_metrics(stats: StepStats, cfg: PipelineConfig) -> dict:
     """Each rank's computing seconds per step (the first replica's), and for the flat schedules the
     bubble those stage times alone would leave (``schedule.bubble_for_stage_times``): the measured
     bubble minus it is what transfers and calls cost, the rest is the cut's imbalance."""
-    steps = max(stats["steps"], 1)
-    busy, forward = (stats[key][: cfg.stages] for key in ("busy_seconds", "forward_busy_seconds"))
+    steps = max(stats.steps, 1)
+    busy, forward = stats.busy_seconds[: cfg.stages], stats.forward_busy_seconds[: cfg.stages]
     metrics = {"stage_seconds_per_step": [seconds / steps for seconds in busy]}
-    predicted = stage_times_bubble(cfg.schedule, busy, cfg.microbatches, forward) if stats["steps"] else None
+    predicted = stage_times_bubble(cfg.schedule, busy, cfg.microbatches, forward) if stats.steps else None
     if predicted is not None:  # fill-drain schedules count their phases apart
         metrics["bubble_for_stage_times"] = predicted
     return metrics
@@ -410,7 +388,7 @@ def train_epochs(
                         epoch + 1,
                         loss_sum / (step + 1),
                         schedule(done - 1),
-                        trainer.stats(reset=False)["bubble_fraction"],
+                        trainer.stats(reset=False).bubble_fraction,
                     )
                 maybe_kill_stage(fault, trainer, f"s{done}")
             if segment.stop < steps_per_epoch:
@@ -422,7 +400,7 @@ def train_epochs(
             "train_loss": loss_sum / steps_per_epoch,
             **trainer.evaluate(),
             "samples_per_second": (steps_per_epoch - first) * cfg.global_batch_size / elapsed,
-            "bubble_fraction": stats["bubble_fraction"],
+            "bubble_fraction": stats.bubble_fraction,
             **stage_time_metrics(stats, cfg),
             "lr": schedule(epoch * steps_per_epoch + steps_per_epoch - 1),
         }

@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from raytrain_mp.errors import UsageError
+from raytrain_mp.errors import OptionError
 
 Op = tuple[str, int]
 FORWARD, BACKWARD = "F", "B"
@@ -65,9 +65,9 @@ STAGE_LAYOUTS = ("loop",)
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
     if num_stages < 1:
-        raise UsageError(f"num_stages: need at least 1 stage, got {num_stages}")
+        raise OptionError("num_stages", f"need at least 1 stage, got {num_stages}")
     if num_microbatches < 1:
-        raise UsageError(f"num_microbatches: need at least 1 micro-batch, got {num_microbatches}")
+        raise OptionError("num_microbatches", f"need at least 1 micro-batch, got {num_microbatches}")
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> list[list[Op]]:
@@ -98,9 +98,10 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Op]]:
 
 def _check_enough_microbatches(title: str, num_stages: int, num_microbatches: int, least: int) -> None:
     if num_microbatches < least:
-        raise UsageError(
-            f"num_microbatches: {title} over {num_stages} stages needs at least {least} micro-batches, "
-            f"got {num_microbatches}; use more micro-batches or the gpipe schedule"
+        raise OptionError(
+            "num_microbatches",
+            f"{title} over {num_stages} stages needs at least {least} micro-batches, "
+            f"got {num_microbatches}; use more micro-batches or the gpipe schedule",
         )
 
 
@@ -178,7 +179,7 @@ def schedule_entry(name: str, accepted: Sequence[str] | None = None) -> Schedule
     """The entry of schedule ``name``; ``UsageError`` unless it is registered (and in ``accepted``)."""
     accepted = list(SCHEDULES) if accepted is None else accepted
     if name not in accepted:
-        raise UsageError(f"schedule: unknown schedule {name!r}; accepted: {', '.join(accepted)}")
+        raise OptionError("schedule", f"unknown schedule {name!r}; accepted: {', '.join(accepted)}")
     return SCHEDULES[name]
 
 
@@ -198,24 +199,25 @@ def check_schedule(
     _check_sizes(num_ranks, num_microbatches)
     if not entry.multi_stage and virtual_stages != 1:
         several = " or ".join(other for other, e in SCHEDULES.items() if e.multi_stage)
-        raise UsageError(
-            f"virtual_stages: the {name} schedule runs one stage per rank, got {virtual_stages}; use {several} for "
-            "several"
+        raise OptionError(
+            "virtual_stages",
+            f"the {name} schedule runs one stage per rank, got {virtual_stages}; use {several} for several",
         )
     if entry.multi_stage and virtual_stages < 2:
-        raise UsageError(f"virtual_stages: {name} needs at least 2 stages per rank, got {virtual_stages}")
+        raise OptionError("virtual_stages", f"{name} needs at least 2 stages per rank, got {virtual_stages}")
     if entry.equal_rounds:
         # Torch runs the micro-batches in rounds of about one per rank, all rounds equal.
         rounds = max(1, num_microbatches // num_ranks)
         if num_microbatches % rounds:
-            raise UsageError(
-                f"num_microbatches: {name} over {num_ranks} ranks runs {rounds} equal rounds of micro-batches, "
-                f"so m must be a multiple of {rounds}, got {num_microbatches}"
+            raise OptionError(
+                "num_microbatches",
+                f"{name} over {num_ranks} ranks runs {rounds} equal rounds of micro-batches, "
+                f"so m must be a multiple of {rounds}, got {num_microbatches}",
             )
     _check_enough_microbatches(entry.title, num_ranks, num_microbatches, entry.min_microbatches_per_rank * num_ranks)
     if layout is not None and entry.layout != layout:
-        raise UsageError(
-            f"schedule: {name} lays its stages out as {entry.layout!r}, the running stages lie as {layout!r}"
+        raise OptionError(
+            "schedule", f"{name} lays its stages out as {entry.layout!r}, the running stages lie as {layout!r}"
         )
 
 
@@ -226,7 +228,7 @@ def ideal_bubble(name: str, num_ranks: int, num_microbatches: int, virtual_stage
     bubble = schedule_entry(name).bubble
     if bubble is None:
         formulas = ", ".join(other for other, entry in SCHEDULES.items() if entry.bubble is not None)
-        raise UsageError(f"schedule: no closed-form bubble for {name!r}; accepted: {formulas}")
+        raise OptionError("schedule", f"no closed-form bubble for {name!r}; accepted: {formulas}")
     return bubble(num_ranks, num_microbatches, virtual_stages)
 
 

@@ -37,27 +37,13 @@ What torch's runtime does not do, and this module adds:
 - Our loss: the last stage's loss for a micro-batch is ``sum of cross-entropy * loss_scale`` with
   ``loss_scale = 1 / batch size`` and torch's ``scale_grads`` off, so accumulated gradients equal one
   backward of the batch mean and the returned losses sum to it.
-- Receives posted ahead (gloo only, the entry's ``post_ahead``; GPipe, 1F1B): at the start of a step
-  a rank posts the step's receives into torch's per-micro-batch buffers, and waits on each just
-  before the forward or backward that reads it. Torch posts each receive only when its schedule
-  reaches it, and on gloo a message that arrived before then costs another exchange between the
-  ranks: on the overhead-bound MLP this halves GPipe's step.
-- The last backward split (the entry's ``split_last_backward``; GPipe, 1F1B): a rank's backward of
-  the step's last micro-batch computes the gradients of its input first, which the schedule sends at
-  once, and the gradients of its weights at the schedule's end, while the previous rank runs that
-  micro-batch's backward. That backward is the step's tail, which torch's schedules run one whole
-  backward after another, rank by rank; zero-bubble schedules split it the same way. ResNet-50's
-  second stage at 128x128, micro-batch 8, one thread: a whole backward 0.236 s, the input part 0.123
-  s, the weight part 0.136 s, so the previous rank starts 0.11 s sooner. The first stage sends no
-  gradients and keeps its whole backward; the interleaved schedules order their own.
+- Receives posted ahead (gloo only, the entry's ``post_ahead``) and the last backward split (the
+  entry's ``split_last_backward``), both in ``timed_stage.TimedStage``.
 - Clipping by the global norm over all ranks (one all-reduce), deferred BatchNorm commits, and the
   optimizer step, in the same call as the schedule.
 - The seconds a rank computes, which the trainer's bubble figures and time balance rest on: its
-  forwards, backwards and update, timed on its device (``busy_clock``: CUDA events on the compute
-  stream, read once at the step's end), never with a device-wide synchronize, which would count a
-  send that waits for its peer as compute and keep computing from overlapping communication.
-- ``predict``: an eval forward over micro-batches of any size (the last validation batch is
-  smaller), chained stage to stage with a shape header before each tensor.
+  forwards, backwards (``timed_stage``) and update, timed on its device (``busy_clock``).
+- ``predict``: an eval forward over micro-batches of any size, stage to stage (``shaped_p2p``).
 
 Invariants:
 - A step either completes on every rank or raises; gradients of a failed step are dropped, never
@@ -76,7 +62,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -85,204 +70,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage
 
 from raytrain_mp.allocator import keep_freed_memory
-from raytrain_mp.errors import UsageError
 from raytrain_mp.niceness import run_at_normal_niceness
-from raytrain_mp.optim import OPTIMIZERS, build_optimizer
-from raytrain_mp.pipeline.block import Block
-from raytrain_mp.pipeline.busy_clock import BusyClock, busy_clock
+from raytrain_mp.optim import build_optimizer
+from raytrain_mp.pipeline.busy_clock import busy_clock
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
-from raytrain_mp.pipeline.feed import StageData, StageFeed
+from raytrain_mp.pipeline.feed import StageFeed
 from raytrain_mp.pipeline.handoff import from_wire
 from raytrain_mp.pipeline.memory_format import faster_layout, in_layout
-from raytrain_mp.pipeline.partition import profile_blocks
 from raytrain_mp.pipeline.replica_sync import merge_deferred_stats, merge_running_stats, snapshot, sum_gradients
-from raytrain_mp.pipeline.replicas import global_rank, pipeline_ranks, stage_ranks
-from raytrain_mp.pipeline.schedule import Schedule, stage_indices, stage_rank
-
-# The dtypes an activation may have (bf16 under autocast), by their code in a shape header.
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_HEADER = 10  # ndim, dtype code, up to 8 dimensions
-
-
-@dataclass(frozen=True)
-class StageConfig:
-    """Everything a rank needs besides its modules."""
-
-    rank: int
-    num_ranks: int
-    virtual_stages: int = 1
-    optimizer: str = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    use_gpu: bool = False
-    num_cpus: int = 1
-    deferred_bn: bool = False
-    autocast_bf16: bool = False
-    memory_format: str = "contiguous"  # or channels_last, or auto (layouts.MEMORY_FORMATS)
-    p2p_timeout_s: float = 300.0
-    replica: int = 0
-    num_replicas: int = 1
-    layout: str = "loop"  # which stages the rank holds (schedule.STAGE_LAYOUTS)
-    data: StageData | None = None  # where the first and last rank read their batches (``feed``)
-
-    @property
-    def num_stages(self) -> int:
-        """Stages of the whole pipeline (ranks x virtual stages)."""
-        return self.num_ranks * self.virtual_stages
-
-    @property
-    def world_size(self) -> int:
-        """Ranks of the process group: every stage actor of every replica."""
-        return self.num_replicas * self.num_ranks
-
-    def peer(self, rank: int) -> int:
-        """The global rank of pipeline rank ``rank`` of this actor's replica."""
-        return global_rank(self.replica, rank, self.num_ranks)
-
-    def stage_index(self, local: int) -> int:
-        """The pipeline index of this rank's ``local``-th stage."""
-        return stage_indices(self.rank, self.num_ranks, self.virtual_stages, self.layout)[local]
-
-    def holder(self, index: int) -> int:
-        """The pipeline rank that holds stage ``index``."""
-        return stage_rank(index, self.num_ranks, self.virtual_stages, self.layout)
-
-
-def check_optimizer(name: str, lr: float, momentum: float, weight_decay: float) -> None:
-    if name not in OPTIMIZERS:
-        raise UsageError(f"optimizer: unknown optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")
-    if not lr > 0:
-        raise UsageError(f"lr: must be > 0, got {lr}")
-    if momentum < 0:
-        raise UsageError(f"momentum: must be >= 0, got {momentum}")
-    if weight_decay < 0:
-        raise UsageError(f"weight_decay: must be >= 0, got {weight_decay}")
-
-
-def configure_device(use_gpu: bool, num_cpus: int) -> torch.device:
-    """The device of this process: its one visible GPU, or the CPU with ``num_cpus`` threads."""
-    torch.set_num_threads(max(1, int(num_cpus)))
-    if use_gpu:
-        torch.cuda.set_device(0)  # Ray made the rank's GPU the only visible one
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
-
-
-def profile_on_stage_device(
-    model: nn.Module,
-    blocks: list[Block],
-    sample: Tensor,
-    use_gpu: bool,
-    num_cpus: int,
-    autocast_bf16: bool,
-    memory_format: str = "contiguous",
-) -> list[tuple[float, float]]:
-    """``partition.profile_blocks`` on a rank's device; the body of the trainer's profiling task,
-    whose process exits afterwards (so its allocator settings, ``keep_freed_memory``, go with it)."""
-    device = configure_device(use_gpu, num_cpus)
-    keep_freed_memory()
-    return profile_blocks(model, blocks, sample, device, autocast_bf16=autocast_bf16, memory_format=memory_format)
-
-
-class _Autocast(nn.Module):
-    """Runs the wrapped stage under bf16 autocast (the stage sees the module through this)."""
-
-    def __init__(self, module: nn.Module, device_type: str) -> None:
-        super().__init__()
-        self.module, self.device_type = module, device_type
-
-    def forward(self, x: Tensor) -> Tensor:
-        with torch.autocast(self.device_type, dtype=torch.bfloat16):
-            return self.module(x)
-
-
-class _TimedStage(PipelineStage):
-    """``PipelineStage`` that times its forwards and backwards on the rank's ``clock`` (regions
-    ``forward`` and ``backward``), can take a step's receives posted ahead of it
-    (``post_receives``), and can split its last backward (``split_last_backward``)."""
-
-    split_backwards = 0  # backwards run split in this step
-    # The last micro-batch's backward computes the input gradients only, which the schedule then
-    # sends, and ``perform_reduce_grad`` the weight gradients at the schedule's end (see the module
-    # docstring). Not on the first stage: it sends no gradients.
-    split_last_backward = False
-
-    def __init__(self, *args: Any, clock: BusyClock, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.clock = clock
-        self._posted: dict[tuple[str, int], list[dist.Work]] = {}  # (direction, micro-batch) -> receives
-        self._weights_pending: list[int] = []  # micro-batches whose weight gradients wait (split_last_backward)
-
-    def post_receives(self, num_microbatches: int, directions: Sequence[str]) -> int:
-        """Post the coming step's receives of ``directions`` now, each micro-batch's into its own
-        buffer: ``forward``, the activations from the previous rank; ``backward``, the gradients
-        from the next (see ``Schedule.post_ahead`` for why). Until the first step has built the
-        buffers, nothing is posted and torch posts as usual. Returns how many receives it posted."""
-        if 0 not in self.args_recv_info:
-            return 0
-        receives = {"forward": super().get_fwd_recv_ops, "backward": super().get_bwd_recv_ops}
-        posted = 0
-        for direction in directions:
-            for i in range(num_microbatches):
-                self._posted[direction, i] = _post(receives[direction](i))
-                posted += len(self._posted[direction, i])
-        return posted
-
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        return [] if ("forward", fwd_chunk_id) in self._posted else super().get_fwd_recv_ops(fwd_chunk_id)
-
-    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return [] if ("backward", bwd_chunk_id) in self._posted else super().get_bwd_recv_ops(bwd_chunk_id)
-
-    def _received(self, direction: str, chunk: int) -> None:
-        # Waited on here, where the data is first read, not where torch's schedule would have
-        # posted the receive: there it may still hold sends of its own that the peer waits for.
-        for work in self._posted.pop((direction, chunk), ()):
-            work.wait()
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        self._received("forward", fwd_chunk_id)
-        with self.clock.region("forward"):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(
-        self, bwd_chunk_id: int, loss: Tensor | None = None, full_backward: bool = True, last_backward: bool = False
-    ) -> Any:
-        self._received("backward", bwd_chunk_id)
-        if self.split_last_backward and last_backward and not self.is_first:
-            full_backward = False
-            self._weights_pending.append(bwd_chunk_id)
-        with self.clock.region("backward"):
-            return super().backward_one_chunk(
-                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
-            )
-
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        # Torch's GPipe and 1F1B call this once the step's backwards are done and their sends
-        # waited on: the weight gradients left pending go first, as a reduction needs them.
-        while self._weights_pending:
-            self.backward_weight_one_chunk(self._weights_pending.pop(0), last_backward=True)
-            self.split_backwards += 1
-        super().perform_reduce_grad(grad_scale_factor)
-
-    def drop_weight_gradients(self) -> None:
-        """Forget what a failed step left pending, with the graph torch kept for it."""
-        for chunk in self._weights_pending:
-            self.dw_runner.pop(chunk, None)
-            self.backward_state.pop(chunk, None)
-        self._weights_pending.clear()
-
-    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.clock.region("backward"):
-            return super().backward_weight_one_chunk(*args, **kwargs)
-
-
-def _post(ops: Sequence[dist.P2POp]) -> list[dist.Work]:
-    return [dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer) for op in ops]
+from raytrain_mp.pipeline.replicas import pipeline_ranks, stage_ranks
+from raytrain_mp.pipeline.schedule import Schedule
+from raytrain_mp.pipeline.shaped_p2p import recv_shaped, send_shaped
+from raytrain_mp.pipeline.stage_config import StageConfig, check_optimizer, configure_device
+from raytrain_mp.pipeline.timed_stage import Autocast, TimedStage
 
 
 class StageWorker:
@@ -334,7 +136,7 @@ class StageWorker:
         # one replica the default group is the pipeline and there is nothing to average.
         self._pipeline_group: dist.ProcessGroup | None = None
         self._stage_group: dist.ProcessGroup | None = None
-        self._stages: list[_TimedStage] = []
+        self._stages: list[TimedStage] = []
         self._schedule: Any = None
         self._schedule_key: tuple | None = None
         self._post_ahead: tuple[str, ...] = ()
@@ -354,7 +156,7 @@ class StageWorker:
 
     def split_backwards(self) -> int:
         """How many backwards so far this rank ran as input gradients, sent, then weight gradients
-        (``_TimedStage.split_last_backward``)."""
+        (``TimedStage.split_last_backward``)."""
         return self._split_backwards
 
     def keeps_freed_memory(self) -> bool:
@@ -403,22 +205,7 @@ class StageWorker:
             group = dist.new_group(stage_ranks(rank, config.num_replicas, config.num_ranks), timeout=timeout)
             self._stage_group = group if rank == config.rank else self._stage_group
 
-    # -- point to point ----------------------------------------------------------------------------
-
-    def _send(self, x: Tensor, rank: int) -> None:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
-        header[2 : 2 + x.dim()] = torch.tensor(x.shape)
-        dist.send(header.to(self.device), self.config.peer(rank))
-        dist.send(x.contiguous(), self.config.peer(rank))
-
-    def _recv(self, rank: int) -> Tensor:
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, self.config.peer(rank))
-        ndim, code, *shape = header.tolist()
-        x = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=self.device)
-        dist.recv(x, self.config.peer(rank))
-        return x
+    # -- eval forward ------------------------------------------------------------------------------
 
     @torch.no_grad()
     def _forward_chain(self, chunks: Sequence[Tensor] | int) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
@@ -435,14 +222,15 @@ class StageWorker:
             for c in range(count):
                 for local, runner in enumerate(self._runners):
                     index = self.config.stage_index(local)
-                    x = self._first_input(chunks[c]) if index == 0 else self._recv(self.config.holder(index - 1))
+                    previous = self.config.peer(self.config.holder(index - 1)) if index else None
+                    x = self._first_input(chunks[c]) if index == 0 else recv_shaped(previous, self.device)
                     y = runner(x)
                     if c == 0:
                         shapes.append((x, y))
                     if index == last_stage:
                         outputs.append(y.to(self.dtype).cpu())
                     else:
-                        self._send(y, self.config.holder(index + 1))
+                        send_shaped(y, self.config.peer(self.config.holder(index + 1)), self.device)
         finally:
             for module in self.modules:
                 module.train()
@@ -454,7 +242,7 @@ class StageWorker:
         return x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
 
     def _wrap(self, module: nn.Module) -> nn.Module:
-        return _Autocast(module, self.device.type) if self.config.autocast_bf16 else module
+        return Autocast(module, self.device.type) if self.config.autocast_bf16 else module
 
     def memory_formats(self) -> list[str]:
         """The layout each of this rank's stages computes in (``layouts.LAYOUTS``)."""
@@ -480,7 +268,7 @@ class StageWorker:
             index = self.config.stage_index(local)
             # The metadata says which tensors carry gradients: every stage's input but the data's.
             stages.append(
-                _TimedStage(
+                TimedStage(
                     runner,
                     index,
                     self.config.num_stages,

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.fx.node import map_aggregate
 
-from raytrain_mp.errors import UsageError
+from raytrain_mp.errors import OptionError, UsageError
 from raytrain_mp.pipeline.block import Block, Carry, Live
 
 PROBE_BATCHES = (2, 3)  # two batch sizes, so that a dimension that follows the batch is told apart from a constant
@@ -231,19 +231,21 @@ def flatten_traced(model: nn.Module, sample: Tensor | None) -> list[Block]:
     """The model's blocks, cut at every module boundary where a cut can fall (module docstring)."""
     kind = type(model).__name__
     if sample is None:
-        raise UsageError(
-            f"model: cutting a {kind} from its traced graph needs an example input "
-            "(PipelineTrainer's sample_input, a batch like the training batches)"
+        raise OptionError(
+            "model",
+            f"cutting a {kind} from its traced graph needs an example input "
+            "(PipelineTrainer's sample_input, a batch like the training batches)",
         )
     graph = trace(model)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
-        raise UsageError(f"model: {kind}.forward takes {len(placeholders)} inputs; the pipeline feeds it one tensor")
+        raise OptionError("model", f"{kind}.forward takes {len(placeholders)} inputs; the pipeline feeds it one tensor")
     (output,) = [n for n in graph.nodes if n.op == "output"]
     if not isinstance(output.args[0], fx.Node):  # the loss takes one tensor of logits
-        raise UsageError(
-            f"model: {kind}.forward returns a {type(output.args[0]).__name__}; the pipeline's last stage needs one "
-            "tensor of logits"
+        raise OptionError(
+            "model",
+            f"{kind}.forward returns a {type(output.args[0]).__name__}; the pipeline's last stage needs one "
+            "tensor of logits",
         )
     seen = _probe(model, graph, sample)
     body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]

@@ -110,7 +110,7 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, monkeypatch):
         for run in layout["runs"]:
             assert_spread(run["step_seconds"])
             assert_spread(run["queued_step_seconds"])
-            # the seeds' split runs in --resnet-rounds 2 against native, its --steps 1 pooled
+            # the layer3 split runs in --resnet-rounds 2 against native, its --steps 1 pooled
             assert (
                 len(run["samples"]["step_seconds"])
                 == len(run.get("round_medians", {}).get("step_seconds", [0]))
@@ -127,7 +127,7 @@ def test_bench_pipeline_smoke(ray_session, tmp_path, monkeypatch):
             assert run["bubble_formula"] == 1 / (virtual * run["microbatches"] + 1)
             assert ("bubble_for_stage_times" in run) == (virtual == 1)
             assert 0 <= run.get("bubble_for_stage_times", 0) < 1
-    assert results["layouts"]["fixed"]["plan"][1]["blocks"][0] == "layer3.0.conv1"  # the seeds' split
+    assert results["layouts"]["fixed"]["plan"][1]["blocks"][0] == "layer3.0.conv1"  # the layer3 split
     balanced_trials = results["layouts"]["balanced"]["balance_trials"]
     assert results["summary"]["balanced_trial_bubbles"] == {
         ",".join(t["split_points"]): t["bubble_fraction"] for t in balanced_trials
@@ -240,7 +240,7 @@ def assert_overhead(results: dict, printed: dict) -> None:
         for ratio, theirs, ours in ratios:
             assert math.isfinite(run[ratio]) and run[ratio] > 0
             assert math.isclose(run[ratio], run[theirs]["median"] / run[ours]["median"])
-        # one round (the seeds' split pools two through the same ``pooled``): its ratio
+        # one round (the layer3 split pools two through the same ``pooled``): its ratio
         by_round = run["native_over_ours_queued_by_round"]
         assert len(by_round) == 1 and all(math.isfinite(r) and r > 0 for r in by_round)
     for key in ("native_over_ours", "native_over_ours_queued"):
@@ -251,7 +251,7 @@ def assert_overhead(results: dict, printed: dict) -> None:
 
 
 def assert_native(results: dict) -> None:
-    """torch.distributed.pipelining ran on the seeds' split under torchrun, the model as given and
+    """torch.distributed.pipelining ran on the layer3 split under torchrun, the model as given and
     (--memory-format auto, the default) each stage in the layout ours measured faster at that
     point: GPipe at every m, 1F1B where the API allows it (m >= stages), each measured pair
     compared with ours."""
@@ -419,7 +419,7 @@ def test_bench_data_pipeline_input_smoke(ray_session, tmp_path):
 
 def test_pipeline_input_case_makes_an_epoch_per_pass():
     from raytrain_mp.bench.config import BenchDataConfig
-    from raytrain_mp.bench.data import pipeline_image_count
+    from raytrain_mp.bench.data_pipeline import pipeline_image_count
 
     def train(count: int) -> int:
         return count - int(round(count * 0.05))  # prepare's split, val_fraction 0.05

@@ -205,13 +205,14 @@ def test_stages_read_their_batches_and_equal_gradient_accumulation(
     trainer = trainer_for(schedule, virtual, replicas)
     reads_before = trainer.reads()
     sizes: list[tuple[str, int]] = []
-    actors = trainer._actors
-    trainer._actors = [_Spy(actor, sizes) for actor in actors]
+    stages = trainer._stages  # the actor handles the trainer calls
+    actors = stages.actors
+    stages.actors = [_Spy(actor, sizes) for actor in actors]
     try:
         losses = list(trainer.train_data_steps([(0, step, lr) for step, lr in enumerate(LRS)], steps_per_call=2))
         evaluation = trainer.evaluate()
     finally:
-        trainer._actors = actors
+        stages.actors = actors
     want_losses, want_model = _reference(images, len(LRS), 4)
     assert losses == pytest.approx(want_losses, rel=1e-10)
     _assert_state_close(trainer.state_dict(), want_model.state_dict(), 1e-10)

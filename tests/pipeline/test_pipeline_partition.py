@@ -27,7 +27,7 @@ IN_ORDER = "give split points in model order"
 
 
 @pytest.mark.parametrize("point", ["layer3", "layer3.0"])
-def test_seeds_split_before_layer3(point: str) -> None:
+def test_the_layer3_split_cuts_before_layer3(point: str) -> None:
     assert split_bounds(RESNET18, [point], 2) == [0, 5, 10]
 
 

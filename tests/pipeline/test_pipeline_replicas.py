@@ -21,6 +21,7 @@ from torch import nn
 from raytrain_mp.errors import UsageError
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError, convert_deferred_batchnorm, split_batch
+from raytrain_mp.pipeline.placement import check_resources
 from raytrain_mp.pipeline.replicas import (
     check_replicas,
     global_rank,
@@ -31,7 +32,6 @@ from raytrain_mp.pipeline.replicas import (
     running_stats_weights,
     stage_ranks,
 )
-from raytrain_mp.pipeline.trainer import check_resources
 
 from helpers import kill_actor, session_cpus
 
@@ -164,7 +164,7 @@ class TestReplicasAgainstGradientAccumulation:
         plain.load_state_dict(trainer.state_dict(), strict=True)
         torch.testing.assert_close(trainer.predict(x), plain.eval()(x))
         stats = trainer.stats()
-        assert len(stats["busy_seconds"]) == trainer.num_replicas * trainer.num_stages
+        assert len(stats.busy_seconds) == trainer.num_replicas * trainer.num_stages
 
 
 def test_deferred_bn_and_clipping_over_replicas(ray_session: object) -> None:

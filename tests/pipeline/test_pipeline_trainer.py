@@ -31,13 +31,15 @@ from raytrain_mp.faults import ABRUPT
 from raytrain_mp.models import build_model
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError, convert_deferred_batchnorm, split_batch
-from raytrain_mp.pipeline import trainer as trainer_module
+from raytrain_mp.pipeline import failures as failures_module
+from raytrain_mp.pipeline import placement as placement_module
+from raytrain_mp.pipeline import trials as trials_module
 from raytrain_mp.pipeline.blocks import flatten_model
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm
 from raytrain_mp.pipeline.partition import balance_bounds, cut_score, rescale_to_measured, split_bounds
+from raytrain_mp.pipeline.placement import check_resources
 from raytrain_mp.pipeline.schedule import SCHEDULES, Schedule
 from raytrain_mp.pipeline.stage import StageWorker
-from raytrain_mp.pipeline.trainer import check_resources
 
 from helpers import kill_actor, session_cpus, session_gpus
 
@@ -208,7 +210,7 @@ class TestAgainstGradientAccumulation:
         dtype, num_stages, virtual = request.param
         memory_format = {torch.float32: "channels_last", torch.float64: "auto"}[dtype]
         memory_format = "contiguous" if (dtype, num_stages, virtual) == (torch.float64, 3, 1) else memory_format
-        # float32 runs use split points by name (the seeds' split for 2 stages); float64 runs the
+        # float32 runs use split points by name (the layer3 split for 2 stages); float64 runs the
         # default parameter balance, whose cuts fall inside residual blocks (test_plan_and_stats).
         # Layouts: float32 channels-last, so that the reference can compute as the stages do;
         # float64 measured per stage (the default), but contiguous on f64-3ranks.
@@ -276,16 +278,16 @@ class TestAgainstGradientAccumulation:
         trainer.stats()
         trainer.train_step(x, y)
         stats = trainer.stats()
-        assert stats["steps"] == 1 and len(stats["busy_seconds"]) == trainer.num_stages
-        assert all(seconds > 0 for seconds in stats["busy_seconds"])
-        assert all(0 < forward < busy for forward, busy in zip(stats["forward_busy_seconds"], stats["busy_seconds"]))
-        assert stats["bubble_fraction"] < 1
-        assert trainer.stats()["steps"] == 0
+        assert stats.steps == 1 and len(stats.busy_seconds) == trainer.num_stages
+        assert all(seconds > 0 for seconds in stats.busy_seconds)
+        assert all(0 < forward < busy for forward, busy in zip(stats.forward_busy_seconds, stats.busy_seconds))
+        assert stats.bubble_fraction < 1
+        assert trainer.stats().steps == 0
         done = trainer.steps_done
         queued = trainer.train_steps(((x, y, None) for _ in range(3)), ahead=2)
         assert next(queued) > 0 and trainer.steps_done == done + 1
         queued.close()  # the two steps queued behind the first still run, and count
-        assert trainer.steps_done == done + 3 and trainer.stats()["steps"] == 3
+        assert trainer.steps_done == done + 3 and trainer.stats().steps == 3
 
     def test_ranks_run_at_torchruns_niceness_and_keep_freed_memory(self, pipeline: Pipeline) -> None:
         # Ray starts workers at 15; root (CAP_SYS_NICE) may lower it, anyone else keeps it.
@@ -319,26 +321,26 @@ def test_deferred_bn_time_balance_trials_adamw_and_clipping(ray_session: object)
         names = [block.name for block in flatten_model(model)]
         forward, backward = (list(phase) for phase in zip(*pipeline.profile))
         trials = pipeline.balance_trials
-        cuts = [split_bounds(names, trial["split_points"], 4) for trial in trials]
+        cuts = [split_bounds(names, trial.split_points, 4) for trial in trials]
         assert cuts[0] == balance_bounds([f + b for f, b in zip(forward, backward)], 4)
-        assert len(trials) in range(1, trainer_module.TRIAL_CUTS + 1) and len(set(map(tuple, cuts))) == len(cuts)
+        assert len(trials) in range(1, trials_module.TRIAL_CUTS + 1) and len(set(map(tuple, cuts))) == len(cuts)
         for index, (trial, cut) in enumerate(zip(trials, cuts)):
-            assert trial["profile_score"] == cut_score(forward, backward, cut, False)
-            assert all(seconds > 0 for seconds in trial["forward_seconds"] + trial["backward_seconds"])
-            assert trial["seconds_per_step"] > 0 and 0 <= trial["bubble_fraction"] < 1
+            assert trial.profile_score == cut_score(forward, backward, cut, False)
+            assert all(seconds > 0 for seconds in trial.forward_seconds + trial.backward_seconds)
+            assert trial.seconds_per_step > 0 and 0 <= trial.bubble_fraction < 1
             rescaled = [
-                rescale_to_measured(costs, cut, 2, trial[key])
+                rescale_to_measured(costs, cut, 2, getattr(trial, key))
                 for costs, key in ((forward, "forward_seconds"), (backward, "backward_seconds"))
             ]
             following = balance_bounds([f + b for f, b in zip(*rescaled)], 4)
             if index + 1 < len(cuts):
                 assert following == cuts[index + 1]
             else:  # the trials stop at a cut already run, or after TRIAL_CUTS
-                assert following in cuts or len(cuts) == trainer_module.TRIAL_CUTS
-        fastest = min(trials, key=lambda trial: trial["bubble_fraction"])
-        assert [plan.blocks[0] for plan in pipeline.plan[1:]] == fastest["split_points"]
+                assert following in cuts or len(cuts) == trials_module.TRIAL_CUTS
+        fastest = min(trials, key=lambda trial: trial.bubble_fraction)
+        assert [plan.blocks[0] for plan in pipeline.plan[1:]] == fastest.split_points
         # The trial steps ran on stages that are gone: the steps below start from the model as given.
-        assert pipeline.steps_done == 0 and pipeline.stats()["steps"] == 0
+        assert pipeline.steps_done == 0 and pipeline.stats().steps == 0
         losses = [pipeline.train_step(x, y) for x, y in batches[:1]]
         # The stem's BatchNorm saw conv1(x) in 4 micro-batches; its running statistics are those
         # of one BatchNorm pass over the whole batch.
@@ -442,8 +444,8 @@ def test_a_hanging_stage_is_named_after_its_peer_times_out(ray_session: object) 
 def test_a_hanging_stage_is_named_when_its_peer_aborts_as_on_nccl(
     ray_session: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(trainer_module, "_WATCHDOG_DUMP_S", 0.0)  # this abort waits for no debug dump
-    monkeypatch.setattr(trainer_module, "_FAILURE_GRACE_S", 1.0)  # stage 1 never answers: no race to wait out
+    monkeypatch.setattr(failures_module, "_WATCHDOG_DUMP_S", 0.0)  # this abort waits for no debug dump
+    monkeypatch.setattr(failures_module, "_FAILURE_GRACE_S", 1.0)  # stage 1 never answers: no race to wait out
 
     # Stage 0 ends its process where its step raises (a timed-out receive among the causes), as NCCL's
     # watchdog does where gloo raises. Defined here, not at module level, so that Ray ships it by value.
@@ -533,7 +535,7 @@ def test_bad_input_fails_before_any_actor(
     def no_placement(*args: object, **kw: object) -> None:
         raise AssertionError("a placement group was requested before validation finished")
 
-    monkeypatch.setattr(trainer_module, "placement_group", no_placement)
+    monkeypatch.setattr(placement_module, "placement_group", no_placement)
     kwargs = {"num_stages": 2, **kwargs}
     with pytest.raises(UsageError) as info:
         PipelineTrainer(build_model("resnet18", 10, in_channels=1, small_stem=True), **kwargs)

@@ -8,9 +8,9 @@ overhead case). ``run_bench_pipeline`` runs the cases in this order, one module 
 
 - ``references``: one process with ``--threads`` torch threads, the whole batch and gradient
   accumulation over m micro-batches;
-- ``layouts``: ``PipelineTrainer`` on one partition: the seeds' fixed split, time-balanced stages
+- ``layouts``: ``PipelineTrainer`` on one partition: the fixed layer3 split, time-balanced stages
   (``--balanced``) and interleaved stages (``--interleaved``);
-- ``native``: the native peer (``bench.pipeline_native`` under torchrun) and the seeds' split, ours
+- ``native``: the native peer (``bench.pipeline_native`` under torchrun) and the layer3 split, ours
   then native, in ``--resnet-rounds`` rounds;
 - ``overhead``: ours against native on a seeded MLP whose compute is negligible (``--overhead``);
 - ``hybrid``: data x pipeline, every R replicas x S stages layout of ``--hybrid-workers`` actors
@@ -47,7 +47,7 @@ from raytrain_mp.bench.common import bench_use_gpu, in_fresh_process, machine, w
 from raytrain_mp.bench.config import BenchPipelineConfig
 from raytrain_mp.bench.pipeline.hybrid import hybrid_runs, hybrid_seconds
 from raytrain_mp.bench.pipeline.layouts import layout_runs
-from raytrain_mp.bench.pipeline.native import native_runs, resnet_case, seeds_split_rounds
+from raytrain_mp.bench.pipeline.native import layer3_split_rounds, native_runs, resnet_case
 from raytrain_mp.bench.pipeline.overhead import overhead_ratios, overhead_rounds, overhead_section
 from raytrain_mp.bench.pipeline.references import one_process
 from raytrain_mp.bench.pipeline.report import best_run, plot_bars, plot_m_curve, plot_overhead, summary
@@ -93,7 +93,7 @@ def run_bench_pipeline(cfg: BenchPipelineConfig) -> dict[str, Any]:
     model, x, y = seeded_setup(cfg.model, cfg.num_classes, cfg.image_size, cfg.global_batch_size, cfg.seed)
 
     local = in_fresh_process(one_process, cfg, model, x, y)
-    fixed, natives = seeds_split_rounds(cfg, model, x, y)
+    fixed, natives = layer3_split_rounds(cfg, model, x, y)
     native, native_ours_layouts = natives["native"], natives.get("native_ours_layouts")
     layouts = {"fixed": fixed}
     overhead = overhead_rounds(cfg) if cfg.overhead else None

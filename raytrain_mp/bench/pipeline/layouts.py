@@ -1,11 +1,11 @@
-"""Ours on one partition of the ResNet (``results["layouts"]``): the seeds' split, time-balanced
+"""Ours on one partition of the ResNet (``results["layouts"]``): the layer3 split, time-balanced
 stages and interleaved stages.
 
 Job: start a ``PipelineTrainer`` on one partition and run every (schedule, m) of a sweep on it:
 
 - the seeds' fixed split (``--split-points``, default before ``layer3``), GPipe and 1F1B over m=1
-  and every m of ``--microbatches`` (``native.seeds_split_rounds`` runs it in rounds); GPipe with
-  m=1 on the seeds' split is naive model parallelism (the seeds' ``ModelParallelResNet50``);
+  and every m of ``--microbatches`` (``native.layer3_split_rounds`` runs it in rounds); GPipe with
+  m=1 on the layer3 split is naive model parallelism (the seeds' ``ModelParallelResNet50``);
 - time-balanced stages (``--balanced``), GPipe over ``--microbatches`` only;
 - time-balanced ``INTERLEAVED_VIRTUAL`` stages per actor (``--interleaved``), interleaved 1F1B
   over ``--microbatches``.
@@ -129,4 +129,9 @@ def layout_runs(
             per_microbatch[m] = saved_activation_bytes(stages, first.inputs, first.targets)
         held = max_in_flight(run["schedule"], cfg.stages, m)
         run["peak_activation_bytes"] = [count * size for count, size in zip(held, per_microbatch[m])]
-    return {"plan": plan, "balance_trials": trainer.balance_trials, "runs": runs, "skipped": skipped}
+    return {
+        "plan": plan,
+        "balance_trials": [trial.as_dict() for trial in trainer.balance_trials],
+        "runs": runs,
+        "skipped": skipped,
+    }

@@ -1,4 +1,4 @@
-"""The native peer of ``raytrain-mp bench pipeline``, and ours against it on the seeds' split
+"""The native peer of ``raytrain-mp bench pipeline``, and ours against it on the layer3 split
 (``results["native"]``, ``results["native_ours_layouts"]``).
 
 Job: describe a case for the native ranks (``resnet_case``; the overhead case's is
@@ -6,9 +6,9 @@ Job: describe a case for the native ranks (``resnet_case``; the overhead case's 
 stage with ``--cpus-per-stage`` threads (gloo on CPU, NCCL with a GPU per rank), the stages
 wrapped in ``torch.distributed.pipelining.PipelineStage`` and run by ``ScheduleGPipe`` and
 ``Schedule1F1B`` over the same m as ours (a (schedule, m) the API refuses, such as 1F1B with m <
-stages, is listed under ``skipped`` with the reason); and run ours and native on the seeds' split
+stages, is listed under ``skipped`` with the reason); and run ours and native on the layer3 split
 ``--resnet-rounds`` times in turn (ours, then native), each side's steps pooled
-(``seeds_split_rounds``; ``round_medians`` per point). ``report`` turns these into
+(``layer3_split_rounds``; ``round_medians`` per point). ``report`` turns these into
 ``summary.ours_over_native`` (per schedule and m, native median step seconds / ours on the seeds'
 split; >1: ours is faster) and ``ours_over_native_by_round``.
 
@@ -96,7 +96,7 @@ def native_runs(
 
 def native_resnet(cfg: BenchPipelineConfig, ours: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """One round of ``results["native"]``: torch's GPipe and 1F1B on the stages of ``ours``' plan
-    (the seeds' split), the model as given; unless ``--memory-format contiguous``, also, in the
+    (the layer3 split), the model as given; unless ``--memory-format contiguous``, also, in the
     same torchrun, ``results["native_ours_layouts"]``: each stage in the layout ours computed it in
     at that point, so that the runtime and the memory format can be told apart."""
     cases = {"native": resnet_case(cfg, ours["plan"])}
@@ -105,16 +105,16 @@ def native_resnet(cfg: BenchPipelineConfig, ours: dict[str, Any]) -> dict[str, d
     return {name: {**figures, "split": "fixed"} for name, figures in native_runs(cfg, cases).items()}
 
 
-def seeds_split_rounds(
+def layer3_split_rounds(
     cfg: BenchPipelineConfig, model: nn.Module, x: Tensor, y: Tensor
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """(ours, the native sides by name: ``native_resnet``) on the seeds' split, ``--resnet-rounds``
+    """(ours, the native sides by name: ``native_resnet``) on the layer3 split, ``--resnet-rounds``
     times in turn (ours, then native), each side's runs ``pooled``: the ratio of the two is the
     headline of ours against torch, and on a shared machine a single pass of each lets the drift
     between them fall on one side."""
     ours, native = [], []
     for round_ in range(cfg.resnet_rounds):
-        print(f"seeds' split, round {round_ + 1} of {cfg.resnet_rounds}", flush=True)
+        print(f"layer3 split, round {round_ + 1} of {cfg.resnet_rounds}", flush=True)
         ours.append(layout_runs(cfg, model, x, y, cfg.split_points, cfg.sweep))
         native.append(native_resnet(cfg, ours[-1]))
 

@@ -51,7 +51,7 @@ def queued_steps(trainer: PipelineTrainer, x: Tensor, y: Tensor, sweep: Sweep) -
         if i % per_call == 0:  # a call's steps arrive together: its first marks its end
             ends.append(time.perf_counter())
         if i % per_call == per_call - 1:
-            bubbles.append(trainer.stats(reset=True)["bubble_fraction"])
+            bubbles.append(trainer.stats(reset=True).bubble_fraction)
     seconds = [(later - earlier) / per_call for earlier, later in zip(ends[warmup - 1 :], ends[warmup:])]
     return seconds, bubbles[warmup:]
 
@@ -73,14 +73,14 @@ def pipeline_run(trainer: PipelineTrainer, x: Tensor, y: Tensor, schedule: str, 
     progress(
         f"{sweep.label}{schedule} m={m}, {sweep.steps_per_call} step(s) a call, queued", summarize(queued), sweep.unit
     )
-    busy = [summarize(per_stage) for per_stage in zip(*(s["busy_seconds"] for s in measured))]
-    forward_busy = [summarize(per_stage) for per_stage in zip(*(s["forward_busy_seconds"] for s in measured))]
+    busy = [summarize(per_stage) for per_stage in zip(*(s.busy_seconds for s in measured))]
+    forward_busy = [summarize(per_stage) for per_stage in zip(*(s.forward_busy_seconds for s in measured))]
     samples = {
         "step_seconds": seconds,
         "queued_step_seconds": queued,
-        "bubble_fraction": [s["bubble_fraction"] for s in measured],
+        "bubble_fraction": [s.bubble_fraction for s in measured],
         "queued_bubble_fraction": queued_bubbles,
-        "rank_step_seconds": [s["rank_seconds_per_step"] for s in measured],
+        "rank_step_seconds": [s.rank_seconds_per_step for s in measured],
     }
     run = {
         "schedule": schedule,
