@@ -1,6 +1,6 @@
 """What the DDP loop and the pipeline loop decide around their epochs, without Ray: ``epochs``
-(the run's model and dtype, checkpoint due, epoch line), ``lr_schedule.schedule_for``, ``config.FaultSpec``, and the
-checkpoint state and publishing both loops share (``checkpointing``).
+(the run's model and dtype, checkpoint due, epoch line), ``lr_schedule.schedule_for``,
+``fault_injection.FaultSpec``, and the checkpoint state and publishing both loops share (``checkpointing``).
 
 The loops' own walks over an epoch are replayed here step by step (the DDP loop asks after each
 step, the pipeline cuts the epoch into segments): both must write the same checkpoints.
@@ -22,10 +22,10 @@ from raytrain_mp.checkpointing import (
     read_checkpoint,
     resumed_at,
 )
-from raytrain_mp.config import FaultSpec
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.epochs import build_run_model, checkpoint_due, due_by_steps, epoch_line, run_dtype
 from raytrain_mp.errors import UsageError
+from raytrain_mp.fault_injection import FaultSpec
 from raytrain_mp.lr_schedule import make_schedule, schedule_for
 from raytrain_mp.models import build_model
 from raytrain_mp.pipeline.config import PipelineConfig

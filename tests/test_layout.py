@@ -26,6 +26,7 @@ SHARED_MODULES = {
     "config",
     "epochs",
     "errors",
+    "fault_injection",
     "faults",
     "finetune",
     "interruption",

@@ -4,7 +4,7 @@ Reads top to bottom in named steps: set up, ``build_data``, ``build_ddp``, ``bui
 optimization), ``restore``, then epochs of (``train_epoch``, ``epoch_metrics``, ``report_epoch``).
 What the pipeline loop decides too is decided as it does, in the shared layer: when a checkpoint
 is due, the epoch's line and the run's dtype (``epochs``), the learning rate of each global step
-(``lr_schedule.schedule_for``), the ``--inject-fault`` spec (``config.FaultSpec``) and how a
+(``lr_schedule.schedule_for``), the ``--inject-fault`` spec (``fault_injection.FaultSpec``) and how a
 checkpoint is written and published (``checkpointing``). Invariants that make the trained model
 independent of the number of workers:
 
@@ -59,7 +59,7 @@ from raytrain_mp.checkpointing import (
     resumed_at,
     set_rng_states,
 )
-from raytrain_mp.config import FaultSpec, to_yaml
+from raytrain_mp.config import to_yaml
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.data.loader import EpochKeys, make_loader
 from raytrain_mp.ddp.config import DDPConfig
@@ -68,6 +68,7 @@ from raytrain_mp.ddp.elastic import items_to_skip
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 from raytrain_mp.ddp.watch import rank_zero_console
 from raytrain_mp.epochs import build_run_model, checkpoint_due, epoch_line, run_dtype
+from raytrain_mp.fault_injection import FaultSpec
 from raytrain_mp.finetune import freeze_backbone, lr_scales
 from raytrain_mp.lr_schedule import schedule_for
 from raytrain_mp.niceness import run_at_normal_niceness

@@ -22,7 +22,7 @@ Invariants:
   object stores), so it is never half there, and resuming only ever picks a complete one.
 - What the DDP loop decides too is decided as it does, in the shared layer: when a checkpoint is
   due, the epoch's line and the run's dtype (``epochs``), the learning rate of each global step
-  (``lr_schedule.schedule_for``), the ``--inject-fault`` spec (``config.FaultSpec``).
+  (``lr_schedule.schedule_for``), the ``--inject-fault`` spec (``fault_injection.FaultSpec``).
 - A stage failure (``StageFailedError``) with failures left rebuilds every stage actor of every
   replica from the newest checkpoint (or the initial model when there is none yet) and continues
   from there, whatever the phase it came in: the stages' start or rebuild, balance trials,
@@ -70,7 +70,7 @@ from raytrain_mp.checkpointing import (
     set_rng_states,
     write_result,
 )
-from raytrain_mp.config import FaultSpec, absolute_path, to_yaml
+from raytrain_mp.config import absolute_path, to_yaml
 from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
 from raytrain_mp.epochs import (
@@ -82,6 +82,7 @@ from raytrain_mp.epochs import (
     with_checked_model,
 )
 from raytrain_mp.errors import OptionError, RunFailedError, UsageError
+from raytrain_mp.fault_injection import FaultSpec
 from raytrain_mp.interruption import Interrupted, carried_signal
 from raytrain_mp.lr_schedule import schedule_for
 from raytrain_mp.pipeline import PipelineTrainer, StageFailedError

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.fx.node import map_aggregate
 
-from raytrain_mp.errors import OptionError, UsageError
+from raytrain_mp.errors import OptionError
 from raytrain_mp.pipeline.block import Block, Carry, Live
 
 PROBE_BATCHES = (2, 3)  # two batch sizes, so that a dimension that follows the batch is told apart from a constant
@@ -155,7 +155,7 @@ def trace(model: nn.Module) -> fx.Graph:
                 # left names the innermost module whose forward failed.
                 failing = next(reversed(tracer.module_stack.values()), ("", None))[0]
                 if not failing or failing in leaves:
-                    raise UsageError(_untraceable(model, exc)) from None
+                    raise OptionError("model", _untraceable(model, exc)) from None
                 leaves |= {failing}
     finally:
         for module, mode in was_training.items():
@@ -167,7 +167,7 @@ def _untraceable(model: nn.Module, exc: Exception) -> str:
     where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return (
-        f"model: the pipeline cannot trace {type(model).__name__}.forward with torch.fx ({reason}{where}); "
+        f"the pipeline cannot trace {type(model).__name__}.forward with torch.fx ({reason}{where}); "
         "its own forward must be traceable (move the untraceable part into a submodule, which then runs "
         "whole in one stage), or give an nn.Sequential"
     )
