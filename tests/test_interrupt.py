@@ -34,6 +34,7 @@ import pytest
 
 from raytrain_mp.checkpointing import published_checkpoints
 from raytrain_mp.progress import ERASE_LINE
+from raytrain_mp.readable import number
 from raytrain_mp.storage import locate, name_of
 
 from run_log_check import checked_run_log
@@ -253,7 +254,7 @@ def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(
         # checkpoint it resumed from have the losses that attempt printed for them.
         shown = {int(step): loss for step, loss in re.findall(r"epoch 1/1 step (\d+)/22 loss (\S+)", out)}
         rows = checked_run_log(result["run"], steps=STEPS, epochs=1, steps_per_epoch=STEPS, log_every=2)
-        logged = {int(r["global_step"]): f"{float(r['train_loss']):.4f}" for r in rows if r["kind"] == "step"}
+        logged = {int(r["global_step"]): number(float(r["train_loss"])) for r in rows if r["kind"] == "step"}
         assert {step: logged[step] for step in shown} == shown
         return
     assert status == 128 + signum, out[-3000:]
