@@ -2,9 +2,10 @@
 interrupted, resumed, and then checked end to end (table, plot, best YAML that `ddp` runs).
 
 One sweep serves the sweep and the resume tests, since every trial costs a Ray Train start-up
-(~20 s on 2 cores): 2 global batches x 3 base lrs, 2 epochs, ASHA, 1 worker per trial, on a
+(~20 s on 2 cores): 2 global batches x 2 base lrs, 2 epochs, ASHA, 1 worker per trial, on a
 512-sample slice of digits. Tune is interrupted (SIGUSR1, which it treats as Ctrl+C) once two
-trials are done, then the sweep is resumed from its folder. A one-trial sweep whose trial crashes
+trials are done, then the sweep is resumed from its folder: two trials before the interruption
+and two after it, two at a time on the session's Ray. A one-trial sweep whose trial crashes
 (``--inject-fault``) shows a failure recorded in the table.
 """
 
@@ -33,7 +34,8 @@ from run_log_check import csv_as_events, read_events
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # real sweeps
 
-BATCHES, LRS, EPOCHS = (64, 128), (0.05, 0.2, 0.8), 2
+BATCHES, LRS, EPOCHS = (64, 128), (0.05, 0.8), 2
+TRIALS = len(BATCHES) * len(LRS)
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +124,14 @@ def test_interrupted_sweep_says_how_to_resume(sweep):
     interrupted = sweep["interrupted"]
     assert sweep["code"] == 1
     assert interrupted["resume"] == f"raytrain-mp tune --resume {sweep['experiment']}"
-    assert interrupted["unfinished"] >= 1 and interrupted["best"] is None  # Tune may not have made all 6 trials yet
+    assert interrupted["unfinished"] >= 1 and interrupted["best"] is None  # Tune may not have made all trials yet
     assert (sweep["experiment"] / "sweep.yaml").is_file()
     assert "table_csv" not in interrupted  # the outputs describe finished sweeps
 
 
 def test_resume_finishes_without_rerunning_finished_trials(sweep):
     rows = {r["trial"]: r for r in sweep["rows"]}
-    assert len(rows) == 6 and "unfinished" not in sweep["resumed"]
+    assert len(rows) == TRIALS and "unfinished" not in sweep["resumed"]
     assert len(sweep["finished_before"]) >= 2
     for trial, traces in sweep["finished_before"].items():
         reports, checkpoints = traces
@@ -153,9 +155,9 @@ def test_sweep_table(sweep):
         assert 0 <= r["best_val_accuracy"] <= 1 and r["best_val_accuracy"] >= r["final_val_accuracy"]
     # ASHA lets the first trial at each rung through, so some trial always runs every epoch.
     assert any(r["status"] == "completed" for r in rows)
-    assert sum(sweep["resumed"]["trials_by_status"].values()) == 6
+    assert sum(sweep["resumed"]["trials_by_status"].values()) == TRIALS
     csv_lines = Path(sweep["resumed"]["table_csv"]).read_text().splitlines()
-    assert len(csv_lines) == 7 and csv_lines[0].startswith('"trial","base_lr","global_batch_size"')
+    assert len(csv_lines) == 1 + TRIALS and csv_lines[0].startswith('"trial","base_lr","global_batch_size"')
 
 
 def test_every_trial_logs_its_epochs_once(sweep):
