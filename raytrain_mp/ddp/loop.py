@@ -53,8 +53,10 @@ from raytrain_mp.checkpointing import (
     checkpoint_name,
     checkpoint_state,
     load_checkpoint,
+    load_ema,
     plain_state_dict,
     read_checkpoint,
+    read_ema,
     report_checkpoint,
     resumed_at,
     set_rng_states,
@@ -67,6 +69,7 @@ from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evalu
 from raytrain_mp.ddp.elastic import items_to_skip
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 from raytrain_mp.ddp.watch import rank_zero_console
+from raytrain_mp.ema import ModelEMA, adjusted_decay
 from raytrain_mp.epochs import build_run_model, checkpoint_due, epoch_line, run_dtype
 from raytrain_mp.fault_injection import FaultSpec
 from raytrain_mp.finetune import freeze_backbone, lr_scales
@@ -149,6 +152,7 @@ class Worker:
     scaler: torch.amp.GradScaler
     autocast: Callable
     fault: FaultSpec | None
+    ema: ModelEMA | None = None  # --model-ema's average of ``ddp.module``
     history: list = field(default_factory=list)  # [global step, world size] of each start of the run
     out: Any = None  # rank 0's console (``watch``)
     log: RunLog | None = None  # rank 0's
@@ -192,7 +196,8 @@ def build_ddp(cfg: DDPConfig, meta, world: int, device: torch.device) -> Distrib
 def build_worker(
     cfg: DDPConfig, rank: int, world: int, device: torch.device, ddp: DistributedDataParallel, steps_per_epoch: int
 ) -> Worker:
-    """The optimizer at the schedule's peak lr, the schedule per global step, the fp16 GradScaler."""
+    """The optimizer at the schedule's peak lr, the schedule per global step, the fp16 GradScaler,
+    the weight average (``--model-ema``)."""
     schedule = schedule_for(cfg, steps_per_epoch)
     scales = lr_scales(ddp.module, cfg.backbone_lr_scale) if cfg.backbone_lr_scale != 1 else None
     optimizer = build_optimizer(
@@ -201,9 +206,12 @@ def build_worker(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     autocast = autocast_for(cfg.precision, device)
-    return Worker(
-        cfg, rank, world, device, ddp, optimizer, scheduler, scaler, autocast, FaultSpec.parse(cfg.inject_fault)
-    )
+    ema = None
+    if cfg.model_ema:
+        decay = adjusted_decay(cfg.model_ema_decay, cfg.model_ema_steps, cfg.global_batch_size, cfg.epochs)
+        ema = ModelEMA(ddp.module, decay, cfg.model_ema_steps, cfg.warmup_epochs)
+    fault = FaultSpec.parse(cfg.inject_fault)
+    return Worker(cfg, rank, world, device, ddp, optimizer, scheduler, scaler, autocast, fault, ema)
 
 
 def restore(worker: Worker, steps_per_epoch: int) -> tuple[str | None, int, int, tuple[float, float]]:
@@ -214,9 +222,11 @@ def restore(worker: Worker, steps_per_epoch: int) -> tuple[str | None, int, int,
     if restored is not None:
         with restored.as_directory() as d:
             model_state, train_state = read_checkpoint(d)
+            ema_state = read_ema(d)
         resume_dir = join(cfg.storage_path, cfg.name, name_of(restored.path))  # Ray's path lacks a URI's scheme
     elif cfg.resume_from:
-        model_state, train_state = load_checkpoint(locate(cfg.resume_from, "--resume-from"))
+        folder = locate(cfg.resume_from, "--resume-from")
+        (model_state, train_state), ema_state = load_checkpoint(folder), load_ema(folder)
         resume_dir = cfg.resume_from
     else:
         return None, 0, 0, (0.0, 0.0)
@@ -225,6 +235,8 @@ def restore(worker: Worker, steps_per_epoch: int) -> tuple[str | None, int, int,
     worker.scheduler.load_state_dict(train_state["scheduler"])
     worker.scaler.load_state_dict(train_state["scaler"])
     set_rng_states(train_state["rng"])
+    if worker.ema is not None and ema_state is not None:  # else the average starts anew at the next update
+        worker.ema.load(ema_state, train_state["ema_averaged"])
     worker.history = train_state.get("world_size_history", [])
     (start_epoch, skip), carried = resumed_at(train_state, steps_per_epoch, (0.0, 0.0))
     return resume_dir, start_epoch, skip, carried
@@ -252,6 +264,8 @@ def train_epoch(
         maybe_hold(cfg.hold_at_step, global_step)
         micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
         count, step_lr = train_step(worker, data.to_input, micro, loss_sum)
+        if worker.ema is not None:
+            worker.ema.after_step(worker.ddp.module, epoch, step)
         samples += count
         trained += count
         update = worker.progress.step(global_step + 1)
@@ -285,7 +299,7 @@ def train_step(worker: Worker, to_input: Callable, micro: list, loss_sum: torch.
         sync = worker.ddp.no_sync if i < len(micro) - 1 else nullcontext
         with sync(), worker.autocast():
             logits = worker.ddp(x)
-            loss = nn.functional.cross_entropy(logits, y, reduction="sum")
+            loss = nn.functional.cross_entropy(logits, y, reduction="sum", label_smoothing=worker.cfg.label_smoothing)
         worker.scaler.scale(loss * scale.to(loss.dtype)).backward()
         loss_sum += loss.detach().double()
     worker.scaler.step(worker.optimizer)
@@ -302,6 +316,10 @@ def epoch_metrics(
     """The epoch's metrics from its all-reduced training ``sums`` and an exact evaluation; non-finite ones
     end the run."""
     train_loss_sum, train_samples, trained_here = sums
+    ema = {}
+    if worker.ema is not None:
+        ema = evaluate(worker.ema.module, data.val_loader, data.val_input, worker.device, worker.autocast)
+        ema = {"val_loss_ema": ema["val_loss"], "val_accuracy_ema": ema["val_accuracy"]}
     metrics = {
         "epoch": epoch + 1,
         "train_loss": train_loss_sum / train_samples,
@@ -311,6 +329,7 @@ def epoch_metrics(
         "world_size": worker.world,
         "num_nodes": num_nodes,
         "global_batch_size": worker.cfg.global_batch_size,
+        **ema,
     }
     if not all(math.isfinite(v) for v in metrics.values()):
         raise FloatingPointError(f"non-finite metrics at epoch {epoch + 1}: {metrics}; lower --base-lr")
@@ -342,8 +361,10 @@ def report(worker: Worker, metrics: dict, epoch: int, step: int, epoch_loss: Any
             scheduler=worker.scheduler.state_dict(),
             scaler=worker.scaler.state_dict(),
             world_size_history=worker.history,
+            **({"ema_averaged": worker.ema.averaged} if worker.ema is not None else {}),
         )
-        checkpoint = (plain_state_dict(worker.ddp), train_state, to_yaml(worker.cfg))
+        ema = plain_state_dict(worker.ema.module) if worker.ema is not None else None
+        checkpoint = (plain_state_dict(worker.ddp), train_state, to_yaml(worker.cfg), ema)
     report_checkpoint(metrics, checkpoint_name(epoch + 1, step), checkpoint, worker.log)
 
 
