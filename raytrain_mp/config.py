@@ -50,6 +50,7 @@ GROUPS = ("data", "model", "optimization", "distribution", "checkpoints", "sweep
 FIELD_GROUPS = {
     **dict.fromkeys(("data", "source", "val_fraction", "rows_per_shard", "num_samples", "image_size",
                      "num_classes", "channels", "overwrite", "augment", "encoded", "loader_workers", "preprocess",
+                     "auto_augment", "ra_magnitude", "augmix_severity", "random_erase",
                      "loader_prefetch", "loader_batch_size", "num_images"), "data"),
     **dict.fromkeys(("model", "small_stem", "weights", "precision", "sync_bn", "deferred_bn",
                      "memory_format", "bn_momentum"), "model"),
@@ -57,7 +58,7 @@ FIELD_GROUPS = {
                      "gamma", "optimizer", "momentum", "weight_decay", "global_batch_size", "batch_size_per_worker",
                      "grad_accum_steps", "clip_grad_norm", "lr", "seed", "freeze_backbone",
                      "backbone_lr_scale", "label_smoothing", "model_ema", "model_ema_steps",
-                     "model_ema_decay"), "optimization"),
+                     "model_ema_decay", "mixup_alpha", "cutmix_alpha"), "optimization"),
     **dict.fromkeys(("address", "num_workers", "resize_interval", "resize_timeout", "use_gpu", "cpus_per_worker",
                      "placement", "stages", "replicas", "split_points", "balance", "schedule", "virtual_stages",
                      "microbatches", "steps_per_call", "cpus_per_stage", "bucket_cap_mb", "threads",

@@ -64,6 +64,7 @@ from raytrain_mp.checkpointing import (
 from raytrain_mp.config import to_yaml
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.data.loader import EpochKeys, make_loader
+from raytrain_mp.data.recipe_draws import step_mix
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate, global_count
 from raytrain_mp.ddp.elastic import items_to_skip
@@ -135,6 +136,7 @@ class Data:
     to_input: Callable
     val_input: Callable
     steps_per_epoch: int
+    num_classes: int
 
 
 @dataclass
@@ -164,7 +166,7 @@ def build_data(cfg: DDPConfig, rank: int, world: int, device: torch.device, dtyp
     root = resolve_dataset(cfg.data)
     meta = read_meta(root)
     train_ds = ParquetImageDataset(
-        root, "train", augment=cfg.augment, seed=cfg.seed, meta=meta, preprocess=cfg.preprocess
+        root, "train", augment=cfg.augment, seed=cfg.seed, meta=meta, preprocess=cfg.preprocess, recipe=cfg.recipe
     )
     val_ds = ParquetImageDataset(root, "val", meta=meta, preprocess=cfg.preprocess)
     micro_batch = cfg.global_batch_size // (world * cfg.grad_accum_steps)
@@ -178,7 +180,7 @@ def build_data(cfg: DDPConfig, rank: int, world: int, device: torch.device, dtyp
         raise ValueError(f"--global-batch-size {cfg.global_batch_size} exceeds the {len(train_ds)} training samples")
     inputs = {"device": device, "dtype": dtype}
     to_input, val_input = partial(train_ds.transform, **inputs), partial(val_ds.transform, **inputs)
-    return Data(meta, sampler, train_loader, val_loader, to_input, val_input, steps_per_epoch)
+    return Data(meta, sampler, train_loader, val_loader, to_input, val_input, steps_per_epoch, meta.num_classes)
 
 
 def build_ddp(cfg: DDPConfig, meta, world: int, device: torch.device) -> DistributedDataParallel:
@@ -263,6 +265,8 @@ def train_epoch(
         global_step = epoch * steps_per_epoch + step
         maybe_hold(cfg.hold_at_step, global_step)
         micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
+        if cfg.recipe.mixing:
+            micro = mixed(micro, data, cfg, epoch, global_step)
         count, step_lr = train_step(worker, data.to_input, micro, loss_sum)
         if worker.ema is not None:
             worker.ema.after_step(worker.ddp.module, epoch, step)
@@ -289,13 +293,26 @@ def train_epoch(
     return all_reduce_sum([loss_sum, samples, float(trained)], worker.device), step_lr, seconds
 
 
+def mixed(micro: list, data: Data, cfg: DDPConfig, epoch: int, global_step: int) -> list:
+    """Micro-batches of (sample, partner) pairs as (mixed input, class probabilities, None): one
+    draw of the step (``recipe_draws.step_mix``) for all of them, on every rank."""
+    out = []
+    for images, y, params in micro:  # images (N, 2, C, H, W): each sample, then its partner
+        x = data.to_input(images.flatten(0, 1), params.flatten(0, 1)).unflatten(0, (len(y), 2))
+        mix = step_mix(cfg.mixup_alpha, cfg.cutmix_alpha, tuple(x.shape[-2:]), cfg.seed, epoch, global_step)
+        out.append((mix.images(x[:, 0], x[:, 1]), mix.targets(y[:, 0], y[:, 1], data.num_classes, x.dtype), None))
+    return out
+
+
 def train_step(worker: Worker, to_input: Callable, micro: list, loss_sum: torch.Tensor) -> tuple[int, float]:
     """One optimizer step over the micro-batches ``micro`` (DDP syncs gradients on the last); adds
-    their loss to ``loss_sum`` in place; returns (their samples, the lr the step trained with)."""
+    their loss to ``loss_sum`` in place; returns (their samples, the lr the step trained with). A
+    micro-batch is (uint8 images, labels, params), or (input, class probabilities, None) mixed."""
     count = sum(len(y) for _, y, _ in micro)
     scale = worker.world / global_count(count, worker.device)
     for i, (images, y, params) in enumerate(micro):
-        x, y = to_input(images, params), y.to(worker.device, non_blocking=True)
+        x = images if params is None else to_input(images, params)
+        y = y.to(worker.device, non_blocking=True)
         sync = worker.ddp.no_sync if i < len(micro) - 1 else nullcontext
         with sync(), worker.autocast():
             logits = worker.ddp(x)
