@@ -7,6 +7,8 @@ A checkpoint folder holds:
 - ``train_state.pt``: everything else needed to continue exactly: optimizer, lr scheduler,
   grad scaler, epoch and step counters, RNG states.
 - ``config.yaml``: the command's configuration, for humans and for ``--config``.
+- ``ema.pt`` (runs with ``--model-ema``): the weight average's state dict, plain as ``model.pt``
+  (its count of averages is in ``train_state.pt``).
 
 Beside a run's checkpoint folders, ``result.json`` holds the summary of the last time the run
 finished, so a rerun of a finished run prints it without starting Ray.
@@ -53,6 +55,7 @@ from raytrain_mp.storage import (
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
 CONFIG_FILE = "config.yaml"
+EMA_FILE = "ema.pt"
 RESULT_FILE = "result.json"
 CHECKPOINT_PREFIX = "checkpoint_"
 CHECKPOINT_FILES = (MODEL_FILE, CONFIG_FILE, STATE_FILE)
@@ -106,10 +109,15 @@ def set_rng_states(states: dict[str, Any]) -> None:
     random.setstate(states["python"])
 
 
-def write_checkpoint(model_state: dict, train_state: dict, config_yaml: str, parent: str | None = None) -> Path:
-    """Write a complete checkpoint into a new temporary folder and return it."""
+def write_checkpoint(
+    model_state: dict, train_state: dict, config_yaml: str, ema_state: dict | None = None, parent: str | None = None
+) -> Path:
+    """Write a complete checkpoint into a new temporary folder and return it (``ema_state``: the
+    weight average's, when the run keeps one)."""
     folder = Path(tempfile.mkdtemp(prefix="raytrain-ckpt-", dir=parent))
     torch.save(model_state, folder / MODEL_FILE)
+    if ema_state is not None:
+        torch.save(ema_state, folder / EMA_FILE)
     torch.save(train_state, folder / STATE_FILE)
     (folder / CONFIG_FILE).write_text(config_yaml)
     make_ordinary(folder)  # readable as the user's files are, wherever Ray Train or we move it
@@ -125,7 +133,7 @@ def checkpoint_state(epoch: int, step: int, epoch_loss: Any, **state: Any) -> di
     return {**state, **position, "rng": rng_states()}
 
 
-def report_checkpoint(metrics: dict, name: str, checkpoint: tuple[dict, dict, str] | None, log: Any) -> None:
+def report_checkpoint(metrics: dict, name: str, checkpoint: tuple | None, log: Any) -> None:
     """Ray Train's way to publish (a ddp worker): every rank reports ``metrics``; the one holding
     ``checkpoint`` (``write_checkpoint``'s arguments) publishes its run ``log`` first, so that the
     log covers every step of the checkpoint, and attaches it, to be uploaded as ``name``."""
@@ -167,6 +175,18 @@ def read_checkpoint(folder: str | Path) -> tuple[dict, dict]:
     model_state = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=True)
     train_state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
     return model_state, train_state
+
+
+def read_ema(folder: str | Path) -> dict | None:
+    """The weight average's state dict of a local checkpoint folder (None: the run kept none)."""
+    file = Path(folder) / EMA_FILE
+    return torch.load(file, map_location="cpu", weights_only=True) if file.is_file() else None
+
+
+def load_ema(folder: Location) -> dict | None:
+    """``read_ema`` of a checkpoint folder anywhere (only ``ema.pt`` is read)."""
+    file = folder.child(EMA_FILE)
+    return torch.load(io.BytesIO(file.read_bytes()), map_location="cpu", weights_only=True) if file.is_file() else None
 
 
 def write_result(run: Location, result: dict[str, Any]) -> None:

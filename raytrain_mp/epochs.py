@@ -102,9 +102,11 @@ def checkpoint_due(cfg: Any, epoch: int, steps_done: int, steps_per_epoch: int) 
 
 
 def epoch_line(metrics: dict, epochs: int, extra: str = "") -> str:
-    """``epoch E/N train_loss .. val_loss .. val_accuracy .. samples/s ..{extra} lr ..`` of an epoch's metrics."""
+    """``epoch E/N train_loss .. val_loss .. val_accuracy .. [val_accuracy_ema ..] samples/s ..{extra} lr ..``
+    of an epoch's metrics."""
+    ema = f" val_accuracy_ema {number(metrics['val_accuracy_ema'])}" if "val_accuracy_ema" in metrics else ""
     return (
         f"epoch {metrics['epoch']}/{epochs} train_loss {number(metrics['train_loss'])} "
-        f"val_loss {number(metrics['val_loss'])} val_accuracy {number(metrics['val_accuracy'])} "
+        f"val_loss {number(metrics['val_loss'])} val_accuracy {number(metrics['val_accuracy'])}{ema} "
         f"samples/s {metrics['samples_per_second']:.1f}{extra} lr {number(metrics['lr'])}"
     )

@@ -65,13 +65,16 @@ COLUMNS = (
     "bubble_fraction",
     "val_loss",
     "val_accuracy",
+    "val_loss_ema",
+    "val_accuracy_ema",
 )
 # The TensorBoard tag of each number column, by row kind.
 TAGS = {
     "step": {"train_loss": "train/loss", "lr": "train/lr", "samples_per_second": "train/samples_per_second",
              "bubble_fraction": "train/bubble_fraction"},
     "epoch": {"train_loss": "epoch/train_loss", "lr": "epoch/lr", "samples_per_second": "epoch/samples_per_second",
-              "bubble_fraction": "epoch/bubble_fraction", "val_loss": "val/loss", "val_accuracy": "val/accuracy"},
+              "bubble_fraction": "epoch/bubble_fraction", "val_loss": "val/loss", "val_accuracy": "val/accuracy",
+              "val_loss_ema": "val_ema/loss", "val_accuracy_ema": "val_ema/accuracy"},
 }  # fmt: skip
 
 
@@ -191,7 +194,11 @@ def plot_curves(rows: list[dict[str, str]], lr_at: Callable[[int], float] | None
     loss.set_ylabel("loss")
     if loss.lines:
         loss.legend()
-    accuracy.plot(*series("epoch", "val_accuracy"), "s-")
+    accuracy.plot(*series("epoch", "val_accuracy"), "s-", label="model")
+    ema_steps, ema_values = series("epoch", "val_accuracy_ema")
+    if ema_steps:  # --model-ema
+        accuracy.plot(ema_steps, ema_values, "d--", label="weight average (EMA)")
+        accuracy.legend()
     accuracy.set_ylabel("val accuracy")
     done = max((int(r["global_step"]) for r in rows), default=0)
     if lr_at is not None and done:

@@ -24,6 +24,7 @@ SHARED_MODULES = {
     "checkpointing",
     "cluster",
     "config",
+    "ema",
     "epochs",
     "errors",
     "fault_injection",

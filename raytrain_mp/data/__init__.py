@@ -5,7 +5,8 @@ Part of the shared layer: every capability reads its data through this package. 
 image file's mode to uint8 L/RGB/RGBA, the one conversion every reader of files uses), ``encoded``
 (JPEG/PNG files: checked at prepare, decoded in the loader), ``prepare`` (sources to shards),
 ``dataset`` (the torch Dataset of uint8 samples), ``augment`` (the random draws, keyed by (seed,
-epoch, index)), ``transforms`` (the batch transforms on the training device), ``loader`` (loader
+epoch, index)), ``recipe_draws`` (the recipe's auto-augment, erasing and mixing, by torchvision
+with keyed draws), ``transforms`` (the batch transforms on the training device), ``loader`` (loader
 processes), ``default`` (the built-in data set), ``config`` (``PrepareConfig`` of ``raytrain-mp data
 prepare``).
 

@@ -22,7 +22,8 @@ import math
 
 import numpy as np
 
-PARAMS = 3  # per sample: crop top, crop left, flip (0 or 1)
+PARAMS = 7  # per sample: crop top, crop left, flip (0 or 1), then random erasing's box: top, left, height, width
+POLICIES = ("ra", "ta_wide", "augmix", "imagenet", "cifar10", "svhn")  # --auto-augment (data.recipe_draws)
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
 

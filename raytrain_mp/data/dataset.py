@@ -8,7 +8,10 @@ Invariants:
   H*W*C bytes. A bad shard is a one-line ``UsageError`` naming the file.
 - An item is ``(image, label, params)``: the image as uint8 (C, H, W), never normalized here (that
   is ``transform``'s job, batched on the training device), and ``params`` the int64 (top, left,
-  flip) of its augmentation. Item ``i`` depends only on (``i``, ``seed``, epoch): the draws come
+  flip, then random erasing's box) of its augmentation. A ``recipe`` (``data.recipe_draws``) adds
+  its auto-augment policy (applied here, to the uint8 image) and erasing box, and, for a run that
+  mixes, makes every item two: the sample and its partner, stacked (images (2, C, H, W), labels
+  (2,), params (2, PARAMS)). Item ``i`` depends only on (``i``, ``seed``, epoch): the draws come
   from ``data.augment``, keyed by (seed, epoch, i), so runs are reproducible whatever the number
   of workers or loader processes. A key may be ``(epoch, i)`` (what ``data.loader.EpochKeys``
   yields), so loader processes that outlive an epoch need no ``set_epoch`` of their own.
@@ -31,11 +34,13 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from raytrain_mp.data.augment import PARAMS, pad_crop, pad_width
+from raytrain_mp.data.augment import pad_crop, pad_width
 from raytrain_mp.data.encoded import train_view, val_view
 from raytrain_mp.data.format import SCHEMA, DatasetMeta, read_meta
+from raytrain_mp.data.recipe_draws import Recipe, augmented, erase_box, partner
 from raytrain_mp.data.transforms import BatchTransform
 from raytrain_mp.errors import UsageError
+from raytrain_mp.preprocessing import input_size
 from raytrain_mp.storage import locate
 
 
@@ -65,8 +70,11 @@ class ParquetImageDataset(Dataset):
         seed: int = 0,
         meta: DatasetMeta | None = None,
         preprocess: str | None = None,
+        recipe: Recipe | None = None,
     ) -> None:
         self.root = str(root)
+        self.recipe = recipe or Recipe()
+        self._policy = self.recipe.policy()
         self.preprocess = preprocess  # the run's --preprocess spec (``preprocessing``): None, data, or the weights'
         self.split = split
         self.augment = augment
@@ -142,27 +150,45 @@ class ParquetImageDataset(Dataset):
         """What turns a batch of these items into the model's input on the training device."""
         h, w, _ = self.meta.image_shape
         pad = 0 if self.meta.encoded else pad_width(h, w)
-        return BatchTransform.for_run(self.meta, self.preprocess, pad, self.augment)
+        return BatchTransform.for_run(self.meta, self.preprocess, pad, self.augment, self.recipe.random_erase > 0)
 
     def stored(self, index: int) -> bytes:
         """The image column's bytes of one sample: raw HWC pixels, or an encoded file."""
         return self._open().column("image")[index].as_py()
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int, torch.Tensor]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | torch.Tensor, torch.Tensor]:
         epoch, index = key if isinstance(key, tuple) else (self.epoch, key)
+        if not self.recipe.mixing:
+            return self.sample(epoch, index)
+        own, mate = self.sample(epoch, index), self.sample(epoch, partner(self.seed, epoch, index, len(self)))
+        return torch.stack([own[0], mate[0]]), torch.tensor([own[1], mate[1]]), torch.stack([own[2], mate[2]])
+
+    def sample(self, epoch: int, index: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Sample ``index`` as ``epoch`` draws it: (uint8 image, label, params)."""
         label = int(self._labels[index])
+        crop = torch.zeros(3, dtype=torch.int64)
         if self.meta.encoded:
             size = self.meta.image_shape[0]
             if self.augment:
                 image, flip = train_view(self.stored(index), size, self.seed, epoch, index)
-                return image, label, torch.tensor([0, 0, flip])
-            return val_view(self.stored(index), size), label, torch.zeros(PARAMS, dtype=torch.int64)
-        # A copy: arrow's buffer is read-only, and the collated batch wants its own memory anyway.
-        image = torch.from_numpy(self.raw_image(index).transpose(2, 0, 1).copy())
-        if self.augment:
-            h, w, _ = self.meta.image_shape
-            return image, label, torch.tensor(pad_crop(self.seed, epoch, index, h, w))
-        return image, label, torch.zeros(PARAMS, dtype=torch.int64)
+                crop[2] = flip
+            else:
+                image = val_view(self.stored(index), size)
+        else:
+            # A copy: arrow's buffer is read-only, and the collated batch wants its own memory anyway.
+            image = torch.from_numpy(self.raw_image(index).transpose(2, 0, 1).copy())
+            if self.augment:
+                h, w, _ = self.meta.image_shape
+                crop = torch.tensor(pad_crop(self.seed, epoch, index, h, w))
+        if self._policy is not None:
+            image = augmented(self._policy, image, self.seed, epoch, index)
+        box = (0, 0, 0, 0)
+        if self.recipe.random_erase:  # drawn on the model's input: the image, or the preprocessing's crop
+            c, h, w = image.shape
+            size = input_size(self.preprocess, max(h, w))
+            shape = (c, h, w) if size == max(h, w) else (c, size, size)
+            box = erase_box(self.recipe.random_erase, shape, self.seed, epoch, index)
+        return image, label, torch.cat([crop, torch.tensor(box)])
 
     def batch(self, keys: Iterable[int | tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The items of ``keys`` collated as a loader would: (uint8 images, labels, params)."""

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
+from raytrain_mp.data.recipe_draws import erase
 from raytrain_mp.preprocessing import for_channels, of_spec
 
 
@@ -50,7 +51,7 @@ def crop_flip(images: torch.Tensor, params: torch.Tensor, pad: int) -> torch.Ten
 def sliced(padded: torch.Tensor, params: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """``crop_flip`` of an already padded batch, one slice per image."""
     out = padded.new_empty(padded.shape[0], padded.shape[1], h, w)
-    for i, (top, left, flip) in enumerate(params.tolist()):
+    for i, (top, left, flip) in enumerate(params[:, :3].tolist()):
         crop = padded[i, :, top : top + h, left : left + w]
         out[i] = crop.flip(-1) if flip else crop
     return out
@@ -83,7 +84,8 @@ def normalization(
 class BatchTransform:
     """Normalization by the data set's per-channel ``mean``/``std`` (raw pixel units), then
     ``crop_flip`` with ``pad`` when the loader drew augmentation (``augment``), then (``resize``
-    above 0) Resize(``resize``, ``interpolation``) and CenterCrop(``crop``)."""
+    above 0) Resize(``resize``, ``interpolation``) and CenterCrop(``crop``), then (``erase``) each
+    image's random erasing box of ``params`` zeroed (``data.recipe_draws.erase``)."""
 
     mean: tuple[float, ...]
     std: tuple[float, ...]
@@ -92,16 +94,19 @@ class BatchTransform:
     resize: int = 0
     crop: int = 0
     interpolation: str = "bilinear"
+    erase: bool = False
 
     @classmethod
-    def for_run(cls, meta: Any, preprocess: str | None, pad: int = 0, augment: bool = False) -> BatchTransform:
+    def for_run(
+        cls, meta: Any, preprocess: str | None, pad: int = 0, augment: bool = False, erase: bool = False
+    ) -> BatchTransform:
         """The transform of a run over the data set ``meta`` with ``--preprocess`` spec ``preprocess``
         (None or ``data``: the data set's mean/std at its own size)."""
         spec = for_channels(of_spec(preprocess), meta.channels)
         if spec is None:
-            return cls(tuple(meta.mean), tuple(meta.std), pad, augment)
+            return cls(tuple(meta.mean), tuple(meta.std), pad, augment, erase=erase)
         mean, std = spec.pixel_mean_std()
-        return cls(mean, std, pad, augment, spec.resize, spec.crop, spec.interpolation)
+        return cls(mean, std, pad, augment, spec.resize, spec.crop, spec.interpolation, erase)
 
     def __call__(
         self, images: torch.Tensor, params: torch.Tensor, device: torch.device, dtype: torch.dtype
@@ -113,4 +118,4 @@ class BatchTransform:
         if self.resize:
             mode = InterpolationMode(self.interpolation)
             x = TF.center_crop(TF.resize(x, [self.resize], interpolation=mode, antialias=True), [self.crop, self.crop])
-        return x
+        return erase(x, params[:, 3:]) if self.erase else x

@@ -53,8 +53,10 @@ from raytrain_mp.checkpointing import (
     checkpoint_name,
     checkpoint_state,
     load_checkpoint,
+    load_ema,
     plain_state_dict,
     read_checkpoint,
+    read_ema,
     report_checkpoint,
     resumed_at,
     set_rng_states,
@@ -62,11 +64,13 @@ from raytrain_mp.checkpointing import (
 from raytrain_mp.config import to_yaml
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.data.loader import EpochKeys, make_loader
+from raytrain_mp.data.recipe_draws import step_mix
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate, global_count
 from raytrain_mp.ddp.elastic import items_to_skip
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 from raytrain_mp.ddp.watch import rank_zero_console
+from raytrain_mp.ema import ModelEMA, adjusted_decay
 from raytrain_mp.epochs import build_run_model, checkpoint_due, epoch_line, run_dtype
 from raytrain_mp.fault_injection import FaultSpec
 from raytrain_mp.finetune import freeze_backbone, lr_scales
@@ -132,6 +136,7 @@ class Data:
     to_input: Callable
     val_input: Callable
     steps_per_epoch: int
+    num_classes: int
 
 
 @dataclass
@@ -149,6 +154,7 @@ class Worker:
     scaler: torch.amp.GradScaler
     autocast: Callable
     fault: FaultSpec | None
+    ema: ModelEMA | None = None  # --model-ema's average of ``ddp.module``
     history: list = field(default_factory=list)  # [global step, world size] of each start of the run
     out: Any = None  # rank 0's console (``watch``)
     log: RunLog | None = None  # rank 0's
@@ -160,7 +166,7 @@ def build_data(cfg: DDPConfig, rank: int, world: int, device: torch.device, dtyp
     root = resolve_dataset(cfg.data)
     meta = read_meta(root)
     train_ds = ParquetImageDataset(
-        root, "train", augment=cfg.augment, seed=cfg.seed, meta=meta, preprocess=cfg.preprocess
+        root, "train", augment=cfg.augment, seed=cfg.seed, meta=meta, preprocess=cfg.preprocess, recipe=cfg.recipe
     )
     val_ds = ParquetImageDataset(root, "val", meta=meta, preprocess=cfg.preprocess)
     micro_batch = cfg.global_batch_size // (world * cfg.grad_accum_steps)
@@ -174,7 +180,7 @@ def build_data(cfg: DDPConfig, rank: int, world: int, device: torch.device, dtyp
         raise ValueError(f"--global-batch-size {cfg.global_batch_size} exceeds the {len(train_ds)} training samples")
     inputs = {"device": device, "dtype": dtype}
     to_input, val_input = partial(train_ds.transform, **inputs), partial(val_ds.transform, **inputs)
-    return Data(meta, sampler, train_loader, val_loader, to_input, val_input, steps_per_epoch)
+    return Data(meta, sampler, train_loader, val_loader, to_input, val_input, steps_per_epoch, meta.num_classes)
 
 
 def build_ddp(cfg: DDPConfig, meta, world: int, device: torch.device) -> DistributedDataParallel:
@@ -192,7 +198,8 @@ def build_ddp(cfg: DDPConfig, meta, world: int, device: torch.device) -> Distrib
 def build_worker(
     cfg: DDPConfig, rank: int, world: int, device: torch.device, ddp: DistributedDataParallel, steps_per_epoch: int
 ) -> Worker:
-    """The optimizer at the schedule's peak lr, the schedule per global step, the fp16 GradScaler."""
+    """The optimizer at the schedule's peak lr, the schedule per global step, the fp16 GradScaler,
+    the weight average (``--model-ema``)."""
     schedule = schedule_for(cfg, steps_per_epoch)
     scales = lr_scales(ddp.module, cfg.backbone_lr_scale) if cfg.backbone_lr_scale != 1 else None
     optimizer = build_optimizer(
@@ -201,9 +208,12 @@ def build_worker(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     autocast = autocast_for(cfg.precision, device)
-    return Worker(
-        cfg, rank, world, device, ddp, optimizer, scheduler, scaler, autocast, FaultSpec.parse(cfg.inject_fault)
-    )
+    ema = None
+    if cfg.model_ema:
+        decay = adjusted_decay(cfg.model_ema_decay, cfg.model_ema_steps, cfg.global_batch_size, cfg.epochs)
+        ema = ModelEMA(ddp.module, decay, cfg.model_ema_steps, cfg.warmup_epochs)
+    fault = FaultSpec.parse(cfg.inject_fault)
+    return Worker(cfg, rank, world, device, ddp, optimizer, scheduler, scaler, autocast, fault, ema)
 
 
 def restore(worker: Worker, steps_per_epoch: int) -> tuple[str | None, int, int, tuple[float, float]]:
@@ -214,9 +224,11 @@ def restore(worker: Worker, steps_per_epoch: int) -> tuple[str | None, int, int,
     if restored is not None:
         with restored.as_directory() as d:
             model_state, train_state = read_checkpoint(d)
+            ema_state = read_ema(d)
         resume_dir = join(cfg.storage_path, cfg.name, name_of(restored.path))  # Ray's path lacks a URI's scheme
     elif cfg.resume_from:
-        model_state, train_state = load_checkpoint(locate(cfg.resume_from, "--resume-from"))
+        folder = locate(cfg.resume_from, "--resume-from")
+        (model_state, train_state), ema_state = load_checkpoint(folder), load_ema(folder)
         resume_dir = cfg.resume_from
     else:
         return None, 0, 0, (0.0, 0.0)
@@ -225,6 +237,8 @@ def restore(worker: Worker, steps_per_epoch: int) -> tuple[str | None, int, int,
     worker.scheduler.load_state_dict(train_state["scheduler"])
     worker.scaler.load_state_dict(train_state["scaler"])
     set_rng_states(train_state["rng"])
+    if worker.ema is not None and ema_state is not None:  # else the average starts anew at the next update
+        worker.ema.load(ema_state, train_state["ema_averaged"])
     worker.history = train_state.get("world_size_history", [])
     (start_epoch, skip), carried = resumed_at(train_state, steps_per_epoch, (0.0, 0.0))
     return resume_dir, start_epoch, skip, carried
@@ -251,7 +265,11 @@ def train_epoch(
         global_step = epoch * steps_per_epoch + step
         maybe_hold(cfg.hold_at_step, global_step)
         micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
+        if cfg.recipe.mixing:
+            micro = mixed(micro, data, cfg, epoch, global_step)
         count, step_lr = train_step(worker, data.to_input, micro, loss_sum)
+        if worker.ema is not None:
+            worker.ema.after_step(worker.ddp.module, epoch, step)
         samples += count
         trained += count
         update = worker.progress.step(global_step + 1)
@@ -275,17 +293,30 @@ def train_epoch(
     return all_reduce_sum([loss_sum, samples, float(trained)], worker.device), step_lr, seconds
 
 
+def mixed(micro: list, data: Data, cfg: DDPConfig, epoch: int, global_step: int) -> list:
+    """Micro-batches of (sample, partner) pairs as (mixed input, class probabilities, None): one
+    draw of the step (``recipe_draws.step_mix``) for all of them, on every rank."""
+    out = []
+    for images, y, params in micro:  # images (N, 2, C, H, W): each sample, then its partner
+        x = data.to_input(images.flatten(0, 1), params.flatten(0, 1)).unflatten(0, (len(y), 2))
+        mix = step_mix(cfg.mixup_alpha, cfg.cutmix_alpha, tuple(x.shape[-2:]), cfg.seed, epoch, global_step)
+        out.append((mix.images(x[:, 0], x[:, 1]), mix.targets(y[:, 0], y[:, 1], data.num_classes, x.dtype), None))
+    return out
+
+
 def train_step(worker: Worker, to_input: Callable, micro: list, loss_sum: torch.Tensor) -> tuple[int, float]:
     """One optimizer step over the micro-batches ``micro`` (DDP syncs gradients on the last); adds
-    their loss to ``loss_sum`` in place; returns (their samples, the lr the step trained with)."""
+    their loss to ``loss_sum`` in place; returns (their samples, the lr the step trained with). A
+    micro-batch is (uint8 images, labels, params), or (input, class probabilities, None) mixed."""
     count = sum(len(y) for _, y, _ in micro)
     scale = worker.world / global_count(count, worker.device)
     for i, (images, y, params) in enumerate(micro):
-        x, y = to_input(images, params), y.to(worker.device, non_blocking=True)
+        x = images if params is None else to_input(images, params)
+        y = y.to(worker.device, non_blocking=True)
         sync = worker.ddp.no_sync if i < len(micro) - 1 else nullcontext
         with sync(), worker.autocast():
             logits = worker.ddp(x)
-            loss = nn.functional.cross_entropy(logits, y, reduction="sum")
+            loss = nn.functional.cross_entropy(logits, y, reduction="sum", label_smoothing=worker.cfg.label_smoothing)
         worker.scaler.scale(loss * scale.to(loss.dtype)).backward()
         loss_sum += loss.detach().double()
     worker.scaler.step(worker.optimizer)
@@ -302,6 +333,10 @@ def epoch_metrics(
     """The epoch's metrics from its all-reduced training ``sums`` and an exact evaluation; non-finite ones
     end the run."""
     train_loss_sum, train_samples, trained_here = sums
+    ema = {}
+    if worker.ema is not None:
+        ema = evaluate(worker.ema.module, data.val_loader, data.val_input, worker.device, worker.autocast)
+        ema = {"val_loss_ema": ema["val_loss"], "val_accuracy_ema": ema["val_accuracy"]}
     metrics = {
         "epoch": epoch + 1,
         "train_loss": train_loss_sum / train_samples,
@@ -311,6 +346,7 @@ def epoch_metrics(
         "world_size": worker.world,
         "num_nodes": num_nodes,
         "global_batch_size": worker.cfg.global_batch_size,
+        **ema,
     }
     if not all(math.isfinite(v) for v in metrics.values()):
         raise FloatingPointError(f"non-finite metrics at epoch {epoch + 1}: {metrics}; lower --base-lr")
@@ -342,8 +378,10 @@ def report(worker: Worker, metrics: dict, epoch: int, step: int, epoch_loss: Any
             scheduler=worker.scheduler.state_dict(),
             scaler=worker.scaler.state_dict(),
             world_size_history=worker.history,
+            **({"ema_averaged": worker.ema.averaged} if worker.ema is not None else {}),
         )
-        checkpoint = (plain_state_dict(worker.ddp), train_state, to_yaml(worker.cfg))
+        ema = plain_state_dict(worker.ema.module) if worker.ema is not None else None
+        checkpoint = (plain_state_dict(worker.ddp), train_state, to_yaml(worker.cfg), ema)
     report_checkpoint(metrics, checkpoint_name(epoch + 1, step), checkpoint, worker.log)
 
 

@@ -30,7 +30,7 @@ from ray.train import (
 )
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raytrain_mp.checkpointing import MODEL_FILE, write_result
+from raytrain_mp.checkpointing import EMA_FILE, MODEL_FILE, write_result
 from raytrain_mp.cluster import check_fits, environment, resolve_use_gpu, train_log_level
 from raytrain_mp.config import absolute_path
 from raytrain_mp.data import read_meta
@@ -109,9 +109,11 @@ def summarize(result, cfg: DDPConfig) -> dict:
     metrics = dict(result.metrics or {})
     run = join(cfg.storage_path, cfg.name)
     checkpoint = join(run, name_of(result.checkpoint.path)) if result.checkpoint is not None else None
+    ema = {name: metrics[name] for name in ("val_accuracy_ema", "val_loss_ema") if name in metrics}
     return {
         "val_accuracy": metrics.get("val_accuracy"),
         "val_loss": metrics.get("val_loss"),
+        **ema,
         "val_count": metrics.get("val_count"),
         "train_loss": metrics.get("train_loss"),
         "epochs": metrics.get("epoch"),
@@ -123,6 +125,7 @@ def summarize(result, cfg: DDPConfig) -> dict:
         "samples_per_second": metrics.get("samples_per_second"),
         "checkpoint": checkpoint,
         "model": join(checkpoint, MODEL_FILE) if checkpoint else None,
+        **({"ema": join(checkpoint, EMA_FILE)} if checkpoint and ema else {}),
         "run": run,
     }
 

@@ -31,6 +31,7 @@ import yaml
 from raytrain_mp.checkpointing import (
     CHECKPOINT_FILES,
     CONFIG_FILE,
+    EMA_FILE,
     MODEL_FILE,
     checkpoint_order,
     missing_files,
@@ -110,6 +111,7 @@ class TrainedRun:
     options: dict[str, Any]  # the run's config.yaml
     data: str  # the data set the run trained on
     meta: DatasetMeta
+    weights: str = MODEL_FILE  # the checkpoint's file of weights: model.pt, or ema.pt (--ema)
 
     @property
     def precision(self) -> str:
@@ -155,7 +157,7 @@ class TrainedRun:
         return torch.float64 if self.precision == "fp64" else torch.float32
 
     def build(self, state: dict | None = None):
-        """The trained model in eval mode, on the CPU, in the run's dtype (``state``: its model.pt,
+        """The trained model in eval mode, on the CPU, in the run's dtype (``state``: its weights,
         read from the checkpoint when not given)."""
         from raytrain_mp.models import build_model
 
@@ -164,26 +166,26 @@ class TrainedRun:
         model = build_model(
             self.model_name, meta.num_classes, meta.channels, self.options.get("small_stem"), image_size=size
         )
-        state = read_state(locate(self.checkpoint, OPTION)) if state is None else state
+        state = read_state(locate(self.checkpoint, OPTION), self.weights) if state is None else state
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as exc:
             first = (str(exc).splitlines()[1:2] or [str(exc)])[0].strip()
             raise UsageError(
-                f"{OPTION}: {self.checkpoint}/{MODEL_FILE} does not fit the {self.model_name} its config.yaml names: "
+                f"{OPTION}: {self.checkpoint}/{self.weights} does not fit the {self.model_name} its config.yaml names: "
                 f"{first}"
             ) from None
         return model.to(self.dtype()).eval()
 
 
-def read_state(checkpoint: Location) -> dict:
+def read_state(checkpoint: Location, weights: str = MODEL_FILE) -> dict:
     import torch
 
     try:
-        return torch.load(io.BytesIO(checkpoint.child(MODEL_FILE).read_bytes()), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(checkpoint.child(weights).read_bytes()), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for a truncated or foreign file
         raise UsageError(
-            f"{OPTION}: {checkpoint.uri}/{MODEL_FILE} is torn or not a torch state dict ({type(exc).__name__})"
+            f"{OPTION}: {checkpoint.uri}/{weights} is torn or not a torch state dict ({type(exc).__name__})"
         ) from None
 
 
@@ -197,9 +199,9 @@ def read_options(checkpoint: Location) -> dict[str, Any]:
     return options
 
 
-def load_run(spec: str) -> tuple[TrainedRun, Any]:
+def load_run(spec: str, ema: bool = False) -> tuple[TrainedRun, Any]:
     """The resolved checkpoint's ``TrainedRun`` and its model (built and loaded, so a checkpoint
-    that does not load is reported here, before Ray starts)."""
+    that does not load is reported here, before Ray starts); ``ema``: its weight average."""
     from raytrain_mp.data.default import resolve_dataset
 
     checkpoint = resolve_checkpoint(spec)
@@ -211,8 +213,14 @@ def load_run(spec: str) -> tuple[TrainedRun, Any]:
         raise UsageError(
             f"{OPTION}: the run at {checkpoint.uri} trained on {data}, which cannot be read: {exc}"
         ) from None
-    run = TrainedRun(checkpoint.uri, options, data, meta)
-    state = read_state(checkpoint)
+    weights = EMA_FILE if ema else MODEL_FILE
+    if ema and not checkpoint.child(EMA_FILE).is_file():
+        raise UsageError(
+            f"--ema: {checkpoint.uri} holds no {EMA_FILE}; accepted: a checkpoint of a run trained with --model-ema, "
+            f"or no --ema (its {MODEL_FILE})"
+        )
+    run = TrainedRun(checkpoint.uri, options, data, meta, weights)
+    state = read_state(checkpoint, weights)
     return run, run.build(state)
 
 

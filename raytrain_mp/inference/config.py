@@ -18,6 +18,7 @@ CHECKPOINT_HELP = (
 )
 EVAL_SPLITS = ("val", "train")
 EXPORT_FORMATS = ("onnx", "pt2", "torchscript")
+EMA_HELP = "use the weight average (ema.pt of a run trained with --model-ema) instead of model.pt"
 
 
 def check_file_writable(name: str, path: str) -> None:
@@ -32,6 +33,7 @@ class EvalConfig:
     """``raytrain-mp eval``: exact evaluation of a checkpoint on a split, on Ray Train workers."""
 
     checkpoint: str = option("", CHECKPOINT_HELP, group="checkpoints")
+    ema: bool = option(False, EMA_HELP, group="checkpoints")
     data: str | None = option(
         None, "prepared data set folder or URI to evaluate on (default: the one the run trained on)"
     )
@@ -64,6 +66,7 @@ class PredictConfig:
     """``raytrain-mp predict``: the top-k classes of image files, preprocessed as the run's validation split."""
 
     checkpoint: str = option("", CHECKPOINT_HELP, group="checkpoints")
+    ema: bool = option(False, EMA_HELP, group="checkpoints")
     files: tuple[str, ...] = option((), "image files (JPEG, PNG, any mode PIL reads) or folders of them", group="data")
     top_k: int = option(5, "classes reported per file, most probable first", group="output")
     csv: str | None = option(None, "also write the predictions as CSV to this local file", group="output")
@@ -86,6 +89,7 @@ class ExportConfig:
     """``raytrain-mp export``: the checkpoint's model as an ONNX, ``torch.export`` (.pt2) or TorchScript file."""
 
     checkpoint: str = option("", CHECKPOINT_HELP, group="checkpoints")
+    ema: bool = option(False, EMA_HELP, group="checkpoints")
     format: str = option(
         "onnx",
         "onnx (needs pip install -e '.[export]') | pt2 (torch.export) | torchscript",

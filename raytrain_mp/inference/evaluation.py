@@ -77,7 +77,7 @@ class EvalJob:
 def with_checked_inputs(cfg: EvalConfig) -> EvalConfig:
     """``cfg`` with the checkpoint resolved (``--checkpoint`` then names the checkpoint folder) and
     ``--data`` resolved and checked against the model; needs no Ray."""
-    run, _ = load_run(cfg.checkpoint)
+    run, _ = load_run(cfg.checkpoint, cfg.ema)
     data = cfg.data or run.data
     meta = read_meta(data) if cfg.data else run.meta
     if cfg.data:
@@ -158,7 +158,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     ``cfg`` must have passed ``with_checked_inputs``."""
     use_gpu = resolve_use_gpu(cfg.use_gpu, cfg.num_workers, "workers")
     check_fits("--num-workers", cfg.num_workers, 1, 1 if use_gpu else 0)
-    run, _ = load_run(cfg.checkpoint)
+    run, _ = load_run(cfg.checkpoint, cfg.ema)
     job = EvalJob(run, cfg.data, cfg.split)
     results = Results.remote()
     with tempfile.TemporaryDirectory(prefix="raytrain-eval-") as storage:  # Ray Train's run folder; nothing is kept

@@ -190,7 +190,7 @@ def export_model(
 def with_checked_inputs(cfg: ExportConfig):
     """The run and its model, after every check that needs no export: the extra, the checkpoint."""
     check_dependencies(cfg.format)
-    return load_run(cfg.checkpoint)
+    return load_run(cfg.checkpoint, cfg.ema)
 
 
 def sidecar_path(out: str | Path) -> Path:
@@ -268,6 +268,7 @@ def run_export(cfg: ExportConfig) -> dict:
         "sidecar": str(sidecar_path(out)),
         "format": cfg.format,
         "checkpoint": run.checkpoint,
+        "weights": run.weights,
         "input": ["batch", channels, height, width],
         "input_dtype": described["input"]["dtype"],
         "mean": list(transform.mean),

@@ -38,7 +38,7 @@ class Inputs:
 
 
 def with_checked_inputs(cfg: PredictConfig) -> tuple[PredictConfig, Inputs]:
-    run, _ = load_run(cfg.checkpoint)
+    run, _ = load_run(cfg.checkpoint, cfg.ema)
     files = collect_files(cfg.files)
     images = [load_image(f, run.meta) for f in files]
     return dataclasses.replace(cfg, checkpoint=run.checkpoint), Inputs(run, files, images)
@@ -89,7 +89,13 @@ def run_predict(cfg: PredictConfig, inputs: Inputs) -> dict:
         }
         for file, vals, idx in zip(inputs.files, values, indices)
     ]
-    result = {"checkpoint": inputs.run.checkpoint, "count": len(predictions), "top_k": top, "predictions": predictions}
+    result = {
+        "checkpoint": inputs.run.checkpoint,
+        "weights": inputs.run.weights,
+        "count": len(predictions),
+        "top_k": top,
+        "predictions": predictions,
+    }
     if cfg.csv:
         write_csv(Path(cfg.csv).expanduser(), predictions, top)
         result["csv"] = str(Path(cfg.csv).expanduser().resolve())

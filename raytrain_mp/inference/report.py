@@ -100,6 +100,7 @@ def write_eval_outputs(cfg, run, metrics: dict, names: list[str], labels: np.nda
         "split": cfg.split,
         "data": cfg.data,
         "checkpoint": run.checkpoint,
+        "weights": run.weights,
         "world_size": metrics["world_size"],
         "per_class_accuracy": per_class_accuracy(confusion, names),
         "confusion": confusion.tolist(),

@@ -52,7 +52,7 @@ def test_digits_round_trip_is_exactly_sklearn(tmp_path, capsys):
     assert meta.image_shape == (8, 8, 1) and meta.num_classes == 10
     train = ParquetImageDataset(str(out), "train")
     image, y, params = train[0]
-    assert image.shape == (1, 8, 8) and image.dtype == torch.uint8 and params.tolist() == [0, 0, 0]
+    assert image.shape == (1, 8, 8) and image.dtype == torch.uint8 and params.tolist() == [0] * 7
     x = train.transform(image[None], params[None], torch.device("cpu"), torch.float32)[0]
     expected = (train.raw_image(0).astype(np.float64) - meta.mean[0]) / meta.std[0]
     assert x.shape == (1, 8, 8) and x.dtype == torch.float32

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from raytrain_mp.data import ParquetImageDataset, read_meta
+from raytrain_mp.data.augment import PARAMS
 from raytrain_mp.data.encoded import check_file, decode
 from raytrain_mp.data.pixels import to_uint8, to_uint8_image
 
@@ -195,7 +196,7 @@ def test_prepare_of_a_mixed_mode_folder_decodes_and_collates(tmp_path, capsys):
                 assert image.dtype == torch.uint8 and image.shape == (3, 16, 16)
             images, labels, params = ds.batch(range(len(ds)))
             assert images.dtype == torch.uint8 and images.shape == (len(ds), 3, 16, 16)
-            assert labels.shape == (len(ds),) and params.shape == (len(ds), 3)
+            assert labels.shape == (len(ds),) and params.shape == (len(ds), PARAMS)
     # The mean/std are of the converted pixels of every train file: 16-bit ones >> 8, not clipped.
     train = ParquetImageDataset(str(out), "train")
     pixels = np.concatenate([to_uint8(Image.open(f), 3).reshape(-1, 3) for f in sample_files(folder, train)]).astype(

@@ -39,6 +39,16 @@ from helpers import assert_usage_error, run_cli, session_cpus, session_gpus
         (["--loader-workers", "-1"], ["--loader-workers: must be >= 0, got -1"]),
         (["--loader-workers", "two"], ["--loader-workers: expected int, got 'two'"]),
         (["--loader-prefetch", "0"], ["--loader-prefetch: must be >= 1, got 0"]),
+        # the recipe (issue 49's options so far)
+        (["--label-smoothing", "1"], ["--label-smoothing: must be in [0, 1), got 1.0"]),
+        (["--mixup-alpha=-0.2"], ["--mixup-alpha: must be >= 0 (0: off), got -0.2"]),
+        (["--cutmix-alpha=-1"], ["--cutmix-alpha: must be >= 0 (0: off), got -1.0"]),
+        (["--auto-augment", "rand"], ["--auto-augment", "invalid choice: 'rand'", "'ra', 'ta_wide', 'augmix'"]),
+        (["--ra-magnitude", "31"], ["--ra-magnitude: must be in [0, 30], got 31"]),
+        (["--augmix-severity", "0"], ["--augmix-severity: must be in [1, 10], got 0"]),
+        (["--random-erase", "1.5"], ["--random-erase: must be in [0, 1], got 1.5"]),
+        (["--model-ema-steps", "0"], ["--model-ema-steps: must be >= 1, got 0"]),
+        (["--model-ema-decay", "1.1"], ["--model-ema-decay: must be in [0, 1], got 1.1"]),
         # elastic ranges: every size must split the batch, MIN <= MAX, MIN >= 1, and restarts allowed
         (
             ["--num-workers", "2-4", "--global-batch-size", "64", "--max-failures", "1"],
