@@ -4,15 +4,15 @@ SIGKILLed one says nothing), leaves no process it started behind, and the same c
 (with ``--quiet``: only the JSON line) continues from that checkpoint and finishes with a whole run
 log.
 
-Each command runs as a user types it (its own local Ray, a fresh HOME). The ddp run is held before
-global step 8 (``--hold-at-step``), so it is mid-epoch on any machine; it runs on a
-pseudo-terminal, where its progress line is redrawn in place, and Ctrl-C is the terminal's
-(``\\x03`` written to it). The others get SIGTERM or SIGKILL once a progress line passed step 4
-(``interrupt_when``). Every process the command started carries a marker in its environment (Ray
-hands the driver's environment to what it starts), which is how the test finds any left behind; it
-looks after the rerun (which has a marker of its own). Ray's agents overwrite their environment
-with their title, so after a SIGKILL the test also checks the command's descendants at the kill,
-by process.
+Each command runs as a user types it (its own local Ray, a fresh HOME), on digits cut to an epoch
+of 10 steps (``digits``). The ddp run is held before global step 8 (``--hold-at-step``), so it is
+mid-epoch on any machine; it runs on a pseudo-terminal, where its progress line is redrawn in
+place, and Ctrl-C is the terminal's (``\\x03`` written to it). The others get SIGTERM or SIGKILL
+once a progress line passed step 4 (``interrupt_when``). Every process the command started carries
+a marker in its environment (Ray hands the driver's environment to what it starts), which is how
+the test finds any left behind; it looks after the rerun (which has a marker of its own). Ray's
+agents overwrite their environment with their title, so after a SIGKILL the test also checks the
+command's descendants at the kill, by process.
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ from raytrain_mp.progress import ERASE_LINE
 from raytrain_mp.readable import number
 from raytrain_mp.storage import locate, name_of
 
+from helpers import write_digits_cut
 from run_log_check import checked_run_log
 
 pytestmark = pytest.mark.slow  # two runs of a command each, with their own local Ray
 
-STEPS = 22  # digits: 1437 training samples in batches of 64
+STEPS = 10  # the digits cut to 640 training samples (``digits``), in batches of 64
 COMMON = [
     "--epochs",
     "1",
@@ -53,6 +54,16 @@ COMMON = [
     "2",
     "--no-use-gpu",
 ]
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> str:
+    """The built-in digits cut to 640 training samples (STEPS steps of 64: step 8 is mid-epoch) and
+    160 validation samples: an interrupted epoch and its rerun at a fraction of the full set's
+    steps and checkpoints, which no check here counts on."""
+    return write_digits_cut(tmp_path_factory.mktemp("digits") / "cut", 640, 160)
+
+
 LINE = re.compile(
     r"raytrain-mp: interrupted at epoch 1 step (\d+); the last checkpoint is (\S+); rerun the same command with --name "
     r"(\S+) to continue"
@@ -126,16 +137,16 @@ def rerun_continues(argv: list[str], env: dict[str, str], checkpoint: str, resum
     return result
 
 
-def test_ctrl_c_on_a_terminal_stops_a_ddp_run_whose_progress_line_rewrites_in_place(tmp_path, digits_dir):
+def test_ctrl_c_on_a_terminal_stops_a_ddp_run_whose_progress_line_rewrites_in_place(tmp_path, digits):
     marker = uuid.uuid4().hex
     env = command_env(tmp_path, marker)
-    argv = ["raytrain-mp", "ddp", "--data", digits_dir, "--storage-path", str(tmp_path / "runs"), *COMMON]
+    argv = ["raytrain-mp", "ddp", "--data", digits, "--storage-path", str(tmp_path / "runs"), *COMMON]
     pid, terminal = pty.fork()
     if pid == 0:  # the child: the command, on the pseudo-terminal, in a session of its own
         os.execvpe(argv[0], [*argv, "--hold-at-step", f"8:{tmp_path / 'never'}"], env)
     out = b""
     deadline = time.monotonic() + 300
-    while b"step 8/22" not in out:  # held before global step 8 from here on
+    while f"step 8/{STEPS}".encode() not in out:  # held before global step 8 from here on
         assert time.monotonic() < deadline, out[-2000:]
         if select.select([terminal], [], [], 1)[0]:
             out += os.read(terminal, 65536)
@@ -159,7 +170,8 @@ def test_ctrl_c_on_a_terminal_stops_a_ddp_run_whose_progress_line_rewrites_in_pl
     assert os.waitstatus_to_exitcode(status) == 130, text[-3000:]
     parts = text.split("\r")  # the terminal turns each newline into \r\n
     draws = [i for i, part in enumerate(parts) if part.startswith("epoch 1/1 step ")]
-    assert len(draws) >= 3 and [parts[i].split(" loss")[0] for i in draws][-1] == "epoch 1/1 step 8/22", text[-3000:]
+    last = [parts[i].split(" loss")[0] for i in draws][-1] if draws else None
+    assert len(draws) >= 3 and last == f"epoch 1/1 step 8/{STEPS}", text[-3000:]
     assert draws == list(range(draws[0], draws[-1] + 1)), "each draw replaces the one before, on the same line"
     assert all(
         re.search(r" eta \d+:\d\d \(run \d+:\d\d\)" + re.escape(ERASE_LINE), parts[i]) for i in draws[1:]
@@ -215,7 +227,7 @@ def left_after(processes: list[psutil.Process], marker: str, seconds: float) -> 
     ("ddp", "s3", signal.SIGKILL),
 ])  # fmt: skip
 def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(
-    tmp_path, digits_dir, request, command, storage, signum
+    tmp_path, digits, request, command, storage, signum
 ):
     """SIGKILL (``kill -9``, the OOM killer): no line, but nothing of the command's local Ray is
     left 10 s later (``watchdog``), and the rerun continues from the last checkpoint published,
@@ -227,7 +239,7 @@ def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(
         "raytrain-mp",
         command,
         "--data",
-        digits_dir,
+        digits,
         "--storage-path",
         where,
         "--name",
@@ -242,7 +254,7 @@ def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(
         if signum == signal.SIGKILL:
             descendants.extend(psutil.Process(pid).children(recursive=True))
 
-    status, out = interrupt_when(argv, env, "epoch 1/1 step 4/22 ", signum, snapshot)
+    status, out = interrupt_when(argv, env, f"epoch 1/1 step 4/{STEPS} ", signum, snapshot)
     if signum == signal.SIGKILL:
         assert status == -signal.SIGKILL, out[-3000:]
         assert len(descendants) > 3  # the local Ray: GCS, raylet, agents, workers; and the watchdog
@@ -252,7 +264,7 @@ def test_a_signal_mid_epoch_stops_the_run_and_the_same_command_continues_it(
         result = rerun_continues(argv, env, published[-1].uri, None)
         # The killed attempt ran uninterrupted up to the kill: the rerun's steps logged past the
         # checkpoint it resumed from have the losses that attempt printed for them.
-        shown = {int(step): loss for step, loss in re.findall(r"epoch 1/1 step (\d+)/22 loss (\S+)", out)}
+        shown = {int(step): loss for step, loss in re.findall(rf"epoch 1/1 step (\d+)/{STEPS} loss (\S+)", out)}
         rows = checked_run_log(result["run"], steps=STEPS, epochs=1, steps_per_epoch=STEPS, log_every=2)
         logged = {int(r["global_step"]): number(float(r["train_loss"])) for r in rows if r["kind"] == "step"}
         assert {step: logged[step] for step in shown} == shown

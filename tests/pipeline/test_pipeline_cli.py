@@ -4,9 +4,16 @@ number of replicas), whoever reads the batches (loader processes or the stage ac
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import sys
+import tempfile
+
 import pytest
 import torch
 
+from raytrain_mp.cli import main
 from raytrain_mp.faults import ABRUPT
 from raytrain_mp.models import build_model
 from raytrain_mp.run_log import read_rows
@@ -14,9 +21,8 @@ from raytrain_mp.storage import locate
 
 from helpers import (
     RAY_FORWARDED,
+    CliResult,
     assert_usage_error,
-    load_model_pt,
-    max_abs_diff,
     run_cli,
     run_cli_json,
     run_cli_text,
@@ -140,24 +146,63 @@ def fp64_args(tiny_data: str, storage: str) -> list[str]:
             "--loader-workers", "1"]  # fmt: skip
 
 
+@contextlib.contextmanager
+def captured_output():
+    """This process's stdout and stderr, Python's and the file descriptors' (what ``capfd``
+    captures, for a module fixture): yields a dict that holds ``out`` and ``err`` afterwards."""
+    files = {name: io.TextIOWrapper(tempfile.TemporaryFile(buffering=0), write_through=True) for name in ("out", "err")}
+    captured: dict[str, str] = {}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(files["out"].fileno(), 1)
+    os.dup2(files["err"].fileno(), 2)
+    try:
+        with contextlib.redirect_stdout(files["out"]), contextlib.redirect_stderr(files["err"]):
+            yield captured
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for name, file in files.items():
+            file.seek(0)
+            captured[name] = file.read()
+            file.close()
+        os.close(saved[0])
+        os.close(saved[1])
+
+
 @pytest.fixture(scope="module")
 def fp64_runs(ray_session, tiny_data, tmp_path_factory):
+    """The plain run, and the killed run: its stages' first start is killed from outside (``Killer``),
+    its stage 1 after global step 8 (step 3 of epoch 2, before that step's checkpoint), and then a
+    new stage actor while the stages are rebuilt: three failures of --max-failures 3, and it resumes
+    from the checkpoint after step 6; 3 steps a Ray call. It must still equal the plain run, step by step."""
     storage = str(tmp_path_factory.mktemp("pruns"))
     marker = tmp_path_factory.mktemp("pfault") / "killed"
     args = fp64_args(tiny_data, storage)
     plain = run_cli_json(*args, "--name", "plain")
-    # Killed after global step 8 (step 3 of epoch 2), it resumes from the checkpoint after step 6;
-    # 3 steps a Ray call: it must still equal the plain run, step by step.
-    killed = run_cli_json(*args, "--name", "killed", "--max-failures", "1", "--inject-fault", f"1:s8:{marker}",
-                          "--steps-per-call", "3", "--checkpoint-every-steps", "2")  # fmt: skip
-    return plain, killed, marker
+
+    def kill_at_the_first_start_and_while_rebuilding() -> None:
+        killer.kill_first_new(why="during the first start")
+        killer.kill_first_new(after=exists(marker), why="while the stages are rebuilt")
+
+    with Killer("ray::StageWorker") as killer, captured_output() as output:
+        killer.start(kill_at_the_first_start_and_while_rebuilding)
+        try:
+            code = main([*args, "--name", "killed", "--max-failures", "3", "--inject-fault", f"1:s8:{marker}",
+                         "--steps-per-call", "3", "--checkpoint-every-steps", "2", "--json"])  # fmt: skip
+        except SystemExit as exc:
+            code = exc.code
+    killed = CliResult(code, output["out"], output["err"])
+    assert killed.code == 0, killed.out[-3000:] + killed.err[-3000:]
+    return plain, killed.last_json, marker, killed, killer.kills
 
 
 @pytest.mark.slow  # the fp64 runs
 def test_killed_stage_resumes_mid_epoch_from_checkpoint(fp64_runs):
     from pathlib import Path
 
-    plain, killed, marker = fp64_runs
+    plain, killed, marker, _, _ = fp64_runs
     assert marker.read_text() == "killed stage 1 after step 8\n"
     assert killed["epochs"] == plain["epochs"] == 2
     assert killed["train_loss"] == pytest.approx(
@@ -178,7 +223,7 @@ def test_killed_stage_resumes_mid_epoch_from_checkpoint(fp64_runs):
 def test_the_killed_run_logs_every_step_once_with_the_plain_runs_numbers(fp64_runs):
     """Its log continues from the checkpoint after step 6: steps 7 and 8, logged before the kill,
     are neither missing nor twice in metrics.csv and the TensorBoard events (``checked_run_log``)."""
-    plain, killed, _ = fp64_runs
+    plain, killed, _, _, _ = fp64_runs
     plain_rows, killed_rows = (
         checked_run_log(run["run"], steps=10, epochs=2, steps_per_epoch=5) for run in (plain, killed)
     )
@@ -191,7 +236,7 @@ def test_the_killed_run_logs_every_step_once_with_the_plain_runs_numbers(fp64_ru
 
 @pytest.mark.slow  # the fp64 runs
 def test_summary_and_model_pt(fp64_runs):
-    plain, _, _ = fp64_runs
+    plain, *_ = fp64_runs
     for key in ("val_accuracy", "train_loss", "samples_per_second", "bubble_fraction"):
         assert isinstance(plain[key], float) and plain[key] >= 0
     assert (plain["num_stages"], plain["num_microbatches"], plain["schedule"]) == (2, 4, "1f1b")
@@ -208,7 +253,7 @@ def test_rerun_of_a_finished_run_prints_its_summary_and_starts_nothing(fp64_runs
     import subprocess
     from pathlib import Path
 
-    plain, _, _ = fp64_runs
+    plain, *_ = fp64_runs
     storage = str(Path(plain["run"]).parent)
     done = subprocess.run(
         ["raytrain-mp", "pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2",
@@ -234,7 +279,7 @@ def test_resume_keeps_the_saved_split_and_refuses_another(fp64_runs, tiny_data, 
     import shutil
     from pathlib import Path
 
-    plain, _, _ = fp64_runs
+    plain, *_ = fp64_runs
     saved = [stage["blocks"][0] for stage in plain["stages"][1:]]
     other = "layer2" if saved != ["layer2.0"] else "layer3"
     storage = tmp_path / "runs"
@@ -272,93 +317,66 @@ def test_resume_keeps_the_saved_split_and_refuses_another(fp64_runs, tiny_data, 
 @pytest.mark.slow  # more fp64 runs
 def test_replicas_survive_a_killed_actor_and_a_change_of_replicas(fp64_runs, tiny_data, tmp_path):
     """--replicas 2 x --microbatches 2 runs the same 4 micro-batches per step as the plain run
-    (--replicas 1 x --microbatches 4), so every run here ends with its model (1e-9, fp64): one
-    whose actor of replica 1, stage 0 is killed after epoch 1 and rebuilt from the checkpoint, and
-    one trained with 1 replica until it fails after step 3 and rerun with 2 replicas, which
-    continues with step 4 from the checkpoint after step 2. The stage actors read the batches
-    themselves here (no loader process), and the plain run's loader processes read the same."""
-    plain, _, _ = fp64_runs
+    (--replicas 1 x --microbatches 4), so the run here ends with its model (1e-9, fp64): trained
+    with 1 replica until it fails after step 3, it is rerun with 2 replicas, which continues with
+    step 4 from the checkpoint after step 2, and whose actor of replica 1, stage 0 is killed after
+    epoch 1 and rebuilt from the checkpoint. The stage actors read the batches themselves here (no
+    loader process), and the plain run's loader processes read the same."""
+    plain, *_ = fp64_runs
     marker = tmp_path / "fault-marker"
     args = ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2",
             "--global-batch-size", "32", "--schedule", "1f1b", "--precision", "fp64", "--balance", "params",
             "--storage-path", str(tmp_path / "runs"), "--log-every", "0", "--augment"]  # fmt: skip
-    killed = run_cli_json(*args, "--name", "killed", "--epochs", "2", "--replicas", "2", "--microbatches", "2",
-                          "--max-failures", "1", "--inject-fault", f"2:1:{marker}")  # fmt: skip
-    assert marker.read_text() == "killed stage 0 of replica 1 after epoch 1\n"
-    assert killed["num_replicas"] == 2 and len(killed["actors"]) == 4
-    assert [(actor["replica"], actor["stage"]) for actor in killed["actors"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     code, output = run_cli_text(*args, "--name", "change", "--epochs", "2", "--replicas", "1", "--microbatches", "4",
                                 "--checkpoint-every-steps", "2",
                                 "--inject-fault", f"0:s3:{tmp_path / 'failed'}")  # fmt: skip
     assert code == 1 and "pipeline stage 0 (of stages 0-1) failed" in output, output[-2000:]
-    changed = run_cli_json(*args, "--name", "change", "--epochs", "2", "--replicas", "2", "--microbatches", "2")
-    assert changed["epochs"] == 2 and changed["num_replicas"] == 2
+    changed = run_cli_json(*args, "--name", "change", "--epochs", "2", "--replicas", "2", "--microbatches", "2",
+                           "--max-failures", "1", "--inject-fault", f"2:1:{marker}")  # fmt: skip
+    assert marker.read_text() == "killed stage 0 of replica 1 after epoch 1\n"
+    assert changed["epochs"] == 2 and changed["num_replicas"] == 2 and len(changed["actors"]) == 4
+    assert [(actor["replica"], actor["stage"]) for actor in changed["actors"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     want = torch.load(plain["model"], weights_only=True)
-    for result in (killed, changed):
-        got = torch.load(result["model"], weights_only=True)
-        assert got.keys() == want.keys()
-        assert max((got[k] - want[k]).abs().max().item() for k in want if want[k].numel()) < 1e-9
+    got = torch.load(changed["model"], weights_only=True)
+    assert got.keys() == want.keys()
+    assert max((got[k] - want[k]).abs().max().item() for k in want if want[k].numel()) < 1e-9
 
 
-def assert_equals_plain(fp64_runs, result: dict) -> None:
-    plain, _, _ = fp64_runs
-    assert result["epochs"] == plain["epochs"] == 2
-    assert max_abs_diff(load_model_pt(plain), load_model_pt(result)) < 1e-9
-
-
-@pytest.mark.slow  # more fp64 runs
-def test_a_stage_killed_while_the_stages_are_rebuilt_counts_as_one_more_failure(fp64_runs, tiny_data, tmp_path, capfd):
-    """Issue 48's reproduction: a stage killed after the first checkpoint, then one of the new
-    stage actors SIGKILLed from outside as soon as it exists, while the stages start again: two
-    failures of --max-failures 2, and the model of the uninterrupted run."""
-    marker = tmp_path / "killed"
-    with Killer("ray::StageWorker") as killer:
-        killer.start(lambda: killer.kill_first_new(after=exists(marker), why="while the stages are rebuilt"))
-        res = run_cli(capfd, *fp64_args(tiny_data, str(tmp_path)), "--name", "rebuilt", "--max-failures", "2",
-                      "--checkpoint-every-steps", "2", "--inject-fault", f"1:s4:{marker}", "--json")  # fmt: skip
-    assert res.code == 0, res.err[-3000:]
-    assert len(killer.kills) == 1, killer.kills
-    assert marker.read_text() == "killed stage 1 after step 4\n"
+@pytest.mark.slow  # the fp64 runs
+def test_stages_killed_at_the_first_start_and_while_they_are_rebuilt_each_count_as_one_more_failure(fp64_runs):
+    """Issue 48's reproduction, on the killed run: a stage actor SIGKILLed from outside as soon as
+    it exists, during the first start (retried); a stage killed after a step, before its
+    checkpoint; then one of the new stage actors SIGKILLed as soon as it exists, while the stages
+    start again: three failures of --max-failures 3, and the model of the uninterrupted run
+    (``test_killed_stage_resumes_mid_epoch_from_checkpoint``)."""
+    _, _, marker, res, kills = fp64_runs
+    assert [why for *_, why in kills] == ["during the first start", "while the stages are rebuilt"], kills
+    assert marker.read_text() == "killed stage 1 after step 8\n"
     restarts = [line for line in res.out.splitlines() if "restarting the stages" in line]
-    assert len(restarts) == 2, res.out[-3000:]
-    # Killed after step 4, before its checkpoint: the checkpoint's gathering fails, and the run resumes after step 2.
-    assert "failed while gathering the " in restarts[0]
-    assert restarts[0].endswith(
-        "state: its actor died: killed by ray.kill; restarting the stages from the last checkpoint (1/2)"
+    assert len(restarts) == 3, res.out[-3000:]
+    failed = f"(of stages 0-1) failed while starting: its actor died: {ABRUPT}"
+    assert f"{failed}; restarting the stages from the last checkpoint (1/3)" in restarts[0]
+    # Killed after step 8, before its checkpoint: the checkpoint's gathering fails, and the run resumes after step 6.
+    assert "failed while gathering the " in restarts[1]
+    assert restarts[1].endswith(
+        "state: its actor died: killed by ray.kill; restarting the stages from the last checkpoint (2/3)"
     )
-    assert "at epoch 1 step 3" in res.out
-    assert (
-        f"failed while starting: its actor died: {ABRUPT}; restarting the stages from the last checkpoint (2/2)"
-        in restarts[1]
-    )
+    assert "at epoch 2 step 2" in res.out
+    assert f"{failed}; restarting the stages from the last checkpoint (3/3)" in restarts[2]
     assert "Unhandled error" not in res.err and "Traceback" not in res.err
-    assert_equals_plain(fp64_runs, res.last_json)
 
 
-@pytest.mark.slow  # more fp64 runs
-@pytest.mark.parametrize("max_failures", [1, 0])
-def test_a_stage_killed_during_the_first_start_is_retried_or_ends_the_run_in_one_line(
-    fp64_runs, tiny_data, tmp_path, capfd, max_failures
+@pytest.mark.slow  # a pipeline start
+def test_a_stage_killed_during_the_first_start_ends_the_run_in_one_line_without_failures_left(
+    ray_session, tiny_data, tmp_path, capfd
 ):
+    """With --max-failures 0; with failures left it is retried (the killed run of ``fp64_runs``)."""
     with Killer("ray::StageWorker") as killer:
         killer.start(lambda: killer.kill_first_new(why="during the first start"))
-        res = run_cli(
-            capfd,
-            *fp64_args(tiny_data, str(tmp_path)),
-            "--name",
-            "first",
-            "--max-failures",
-            str(max_failures),
-            "--json",
-        )
+        res = run_cli(capfd, *fp64_args(tiny_data, str(tmp_path)), "--name", "first", "--max-failures", "0", "--json")
     assert len(killer.kills) == 1, killer.kills
     assert "Unhandled error" not in res.err and "Traceback" not in res.err
     failed = f"(of stages 0-1) failed while starting: its actor died: {ABRUPT}"
-    if max_failures:
-        assert res.code == 0, res.err[-3000:]
-        assert f"{failed}; restarting the stages from the last checkpoint (1/1)" in res.out
-        assert_equals_plain(fp64_runs, res.last_json)
-        return
     assert res.code == 1
     lines = [line for line in res.err.splitlines() if line.strip() and not RAY_FORWARDED.match(line)]
     assert len(lines) == 1 and lines[0].startswith("raytrain-mp: failed: pipeline stage "), lines
