@@ -102,16 +102,16 @@ class StepQueue:
     def finish(self, first: int, refs: list[tuple[int, ray.ObjectRef]], submitted: float, steps: int) -> list[float]:
         """Wait for a submitted call and return its steps' losses. Its time counts from when the
         ranks could start it (its submission, or the end of the call before it when that came
-        later), shared evenly by its steps."""
+        later), shared evenly by its steps, and is at least what its slowest rank took inside: a
+        driver that sees a call end late (descheduled on a loaded machine) would otherwise give
+        the call queued behind it less time than its ranks spent, and a negative bubble."""
         results = self.stages.gather(refs, first)  # per actor, a (loss, busy, forward busy, took) per step
         now = time.perf_counter()
         wall = (now - max(submitted, self._last_finish)) / steps
         for i in range(steps):
+            in_ranks = max(actor[i][3] for actor in results)
             self.times.record(
-                wall,
-                [actor[i][1] for actor in results],
-                [actor[i][2] for actor in results],
-                max(actor[i][3] for actor in results),
+                max(wall, in_ranks), [actor[i][1] for actor in results], [actor[i][2] for actor in results], in_ranks
             )
         self._last_finish = now
         self._queued -= steps
