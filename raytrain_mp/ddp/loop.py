@@ -261,11 +261,12 @@ def train_epoch(
     carried_loss, samples = carried if (first and worker.rank == 0) else (0.0, 0.0)
     loss_sum = torch.full((), carried_loss, dtype=torch.float64, device=worker.device)
     trained = 0
+    mixing = cfg.recipe.mixing
     for step in range(first, steps_per_epoch):
         global_step = epoch * steps_per_epoch + step
         maybe_hold(cfg.hold_at_step, global_step)
         micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
-        if cfg.recipe.mixing:
+        if mixing:
             micro = mixed(micro, data, cfg, epoch, global_step)
         count, step_lr = train_step(worker, data.to_input, micro, loss_sum)
         if worker.ema is not None:
@@ -296,10 +297,11 @@ def train_epoch(
 def mixed(micro: list, data: Data, cfg: DDPConfig, epoch: int, global_step: int) -> list:
     """Micro-batches of (sample, partner) pairs as (mixed input, class probabilities, None): one
     draw of the step (``recipe_draws.step_mix``) for all of them, on every rank."""
-    out = []
+    out, mix = [], None
     for images, y, params in micro:  # images (N, 2, C, H, W): each sample, then its partner
         x = data.to_input(images.flatten(0, 1), params.flatten(0, 1)).unflatten(0, (len(y), 2))
-        mix = step_mix(cfg.mixup_alpha, cfg.cutmix_alpha, tuple(x.shape[-2:]), cfg.seed, epoch, global_step)
+        if mix is None:
+            mix = step_mix(cfg.mixup_alpha, cfg.cutmix_alpha, tuple(x.shape[-2:]), cfg.seed, epoch, global_step)
         out.append((mix.images(x[:, 0], x[:, 1]), mix.targets(y[:, 0], y[:, 1], data.num_classes, x.dtype), None))
     return out
 
