@@ -5,7 +5,8 @@ The cluster lives in its own process: cluster_utils rebinds (and on shutdown res
 process's internal-KV client, which would break the test session's own Ray for later tests. Its
 nodes advertise no GPUs: every simulated node would otherwise claim this machine's GPUs, and two
 "nodes" would put two NCCL ranks on one GPU. Nodes share the IP, so placement is read from Ray
-node ids.
+node ids. Its head runs no dashboard: no command run against it needs one, and each cluster's
+would bind port 8265, so two clusters side by side (on the suite's two workers) collided.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 CLUSTER_SCRIPT = """
 import sys
 from ray.cluster_utils import Cluster
-cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False})
 workers = [cluster.add_node(num_cpus=2, num_gpus=0) for _ in range(int(sys.argv[1]))]
 cluster.wait_for_nodes()
 print(cluster.address, flush=True)
