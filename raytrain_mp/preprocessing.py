@@ -123,6 +123,13 @@ def input_size(spec: str | None, image_size: int) -> int:
     return preprocess.crop if preprocess is not None else image_size
 
 
+def input_hw(spec: str | None, height: int, width: int) -> tuple[int, int]:
+    """(H, W) of the model's input for images of ``height`` x ``width``: a ``Preprocess``'s square
+    crop, else the images' own."""
+    preprocess = of_spec(spec)
+    return (preprocess.crop, preprocess.crop) if preprocess is not None else (height, width)
+
+
 def for_channels(preprocess: Preprocess | None, channels: int) -> Preprocess | None:
     """``preprocess`` for data of ``channels`` channels: the weights' own mean/std where the counts
     agree, else their averages repeated (a gray image is normalized as the mean of the weights'

@@ -40,7 +40,7 @@ from raytrain_mp.data.format import SCHEMA, DatasetMeta, read_meta
 from raytrain_mp.data.recipe_draws import Recipe, augmented, erase_box, partner
 from raytrain_mp.data.transforms import BatchTransform
 from raytrain_mp.errors import UsageError
-from raytrain_mp.preprocessing import input_size
+from raytrain_mp.preprocessing import input_hw
 from raytrain_mp.storage import locate
 
 
@@ -184,9 +184,7 @@ class ParquetImageDataset(Dataset):
             image = augmented(self._policy, image, self.seed, epoch, index)
         box = (0, 0, 0, 0)
         if self.recipe.random_erase:  # drawn on the model's input: the image, or the preprocessing's crop
-            c, h, w = image.shape
-            size = input_size(self.preprocess, max(h, w))
-            shape = (c, h, w) if size == max(h, w) else (c, size, size)
+            shape = (image.shape[0], *input_hw(self.preprocess, *image.shape[1:]))
             box = erase_box(self.recipe.random_erase, shape, self.seed, epoch, index)
         return image, label, torch.cat([crop, torch.tensor(box)])
 

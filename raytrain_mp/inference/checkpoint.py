@@ -40,7 +40,7 @@ from raytrain_mp.checkpointing import (
 from raytrain_mp.data.format import DatasetMeta, read_meta
 from raytrain_mp.data.transforms import BatchTransform
 from raytrain_mp.errors import UsageError
-from raytrain_mp.preprocessing import input_size
+from raytrain_mp.preprocessing import input_hw, input_size
 from raytrain_mp.storage import COMPLETE_MARKER, Location, locate, name_of
 from raytrain_mp.tune.config import SWEEP_FILE, metric_mode
 
@@ -130,8 +130,7 @@ class TrainedRun:
     def input_shape(self) -> tuple[int, int, int]:
         """(H, W, C) of the model's input: the data set's image shape, or the preprocessing's crop."""
         h, w, c = self.meta.image_shape
-        size = input_size(self.preprocess, max(h, w))
-        return (h, w, c) if size == max(h, w) else (size, size, c)
+        return (*input_hw(self.preprocess, h, w), c)
 
     def transform(self) -> BatchTransform:
         """What turns a batch of the split's uint8 images into the model's input, as the run's evaluation did."""
