@@ -140,6 +140,22 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture
+def stale_ray_tmpdir():
+    """A Ray temp dir whose ``ray_current_cluster`` names a head that is gone, as a ``ray start
+    --head`` that died uncleanly leaves it (short: Ray's socket paths must fit in 107 bytes)."""
+    import shutil
+    from pathlib import Path
+
+    from helpers import closed_port
+
+    folder = Path(f"/tmp/rts-{os.getpid()}")
+    (folder / "ray").mkdir(parents=True, exist_ok=True)
+    (folder / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{closed_port()}\n")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> str:
     """The built-in default data set, prepared once for the session into a private cache."""

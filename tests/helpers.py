@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from raytrain_mp.cli import main
+
+
+def closed_port() -> int:
+    """A port of 127.0.0.1 that nothing listens at."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the socket is
 
 
 def session_gpus() -> int:

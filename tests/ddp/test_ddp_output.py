@@ -2,7 +2,9 @@
 
 The command runs as a user types it (a subprocess, a fresh HOME, no RAY_ADDRESS), so it starts its
 own local Ray, also while this test session's Ray is up (a second Ray on the machine used to make
-Ray Train's placement-group cleaner die with a traceback).
+Ray Train's placement-group cleaner die with a traceback), and also where a ``ray start`` that died
+uncleanly left a cluster file naming its gone head (``stale_ray_tmpdir``): no address means a new
+local Ray.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ OWN_LINES = [
 ]
 
 
-def run_main_job(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+def run_main_job(tmp_path, *extra: str, ray_tmpdir: str | None = None) -> subprocess.CompletedProcess:
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYTRAIN_MP_CACHE")}
-    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
+    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", **({"RAY_TMPDIR": ray_tmpdir} if ray_tmpdir else {}))
     done = subprocess.run(
         ["raytrain-mp", "ddp", "--epochs", "1", *extra],
         cwd=tmp_path,
@@ -56,14 +58,18 @@ def test_main_job_prints_only_its_own_lines(tmp_path):
 
 
 @pytest.mark.slow
-def test_verbose_brings_back_rays_lines(tmp_path):
+def test_verbose_brings_back_rays_lines_and_no_address_starts_a_local_ray_despite_a_stale_cluster_file(
+    tmp_path, stale_ray_tmpdir
+):
     """On a 64/16 cut of digits (1 step, not 22): what Ray prints at start-up does not depend on the
-    data, and the newcomer's own command, on the default data, is the test above's."""
+    data, and the newcomer's own command, on the default data, is the test above's. Ray's lines
+    also say which Ray the command used: a new local one, not the stale file's gone head."""
     from helpers import write_digits_cut
 
     data = write_digits_cut(tmp_path / "digits", 64, 16)
-    done = run_main_job(tmp_path, "--verbose", "--data", data)
+    done = run_main_job(tmp_path, "--verbose", "--data", data, ray_tmpdir=str(stale_ray_tmpdir))
     out = done.stdout + done.stderr
     assert "Started training worker group of size 2" in out  # Ray Train's controller, at INFO
     assert "Started a local Ray instance" in out  # Ray's driver, at INFO
+    assert "local Ray started" in done.stdout and "Connecting to existing Ray cluster" not in out
     assert re.search(r"^.*epoch 1/1 train_loss", out, re.M)

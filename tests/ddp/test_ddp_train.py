@@ -12,7 +12,6 @@ run carries several tests' checks where it can:
   step checkpoints every 2 steps: 2 workers crashing after step 8 (mid-epoch 2) and restarting
   (also the 2-worker run of the world-size invariance) | 2 workers crashing there with no restart
   left, rerun with 1 worker
-  an encoded image folder (JPEG and PNG of different sizes): 2 workers, 1 loader process each
   one-step synthetic set (val size 25): fp32 on 1 | 2 | 3 workers, fp64 on 1
 """
 
@@ -26,7 +25,7 @@ import torch
 
 from raytrain_mp.models import build_model
 
-from helpers import load_model_pt, make_image_folder, max_abs_diff, run_cli_json, write_digits_cut
+from helpers import load_model_pt, max_abs_diff, run_cli_json, write_digits_cut
 from run_log_check import checked_run_log
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # fp64 and fp32 DDP runs
@@ -207,20 +206,6 @@ def test_loader_processes_and_augmentation_keep_both_invariances(loader_runs):
         assert run["val_accuracy_ema"] == one_run["val_accuracy_ema"]
     assert max_abs_diff(one, load_model_pt(loader_runs["one"])) > 1e-3  # augmentation did change the batches
     assert max_abs_diff(one, one_ema) > 1e-3  # the average is not the model
-
-
-def test_an_encoded_image_folder_trains(tmp_path, storage):
-    folder = make_image_folder(tmp_path / "images")
-    data = tmp_path / "prepared"
-    run_cli_json("data", "prepare", f"imagefolder:{folder}", "--encoded", "--image-size", "32", "--out", str(data))
-    result = run_cli_json(
-        "ddp", "--no-use-gpu", "--data", str(data), "--augment", "--num-workers", "2", "--loader-workers", "1",
-        "--epochs", "2", "--global-batch-size", "4", "--storage-path", storage, "--name", "encoded", "--log-every", "0",
-    )  # fmt: skip
-    assert result["epochs"] == 2 and result["val_count"] == 3 and result["world_size"] == 2
-    state = load_model_pt(result)
-    assert state["conv1.weight"].shape == (64, 3, 3, 3)  # small stem: 32 px
-    build_model("resnet18", 3, 3, True).load_state_dict(state, strict=True)
 
 
 def test_without_sync_bn_the_model_differs(fp64_runs):

@@ -1,6 +1,7 @@
 """``raytrain-mp predict`` on an encoded data set (JPEG and PNG files kept as files): the files of
 the validation split, given to predict, get the classes eval predicts for those samples, through
-the same Resize + CenterCrop the loader cuts."""
+the same Resize + CenterCrop the loader cuts. The run trains as ``ddp`` does on such a folder: 2
+workers with a loader process each, augmented, 2 epochs."""
 
 from __future__ import annotations
 
@@ -31,9 +32,25 @@ def encoded_run(ray_session, tmp_path_factory) -> dict:
         "--out",
         data,
     )["encoded"]
-    result = run_cli_json("ddp", "--data", data, "--epochs", "1", "--num-workers", "1", "--global-batch-size", "3",
-                          "--no-use-gpu", "--storage-path", str(root / "runs"), "--name", "enc")  # fmt: skip
+    result = run_cli_json(
+        "ddp", "--no-use-gpu", "--data", data, "--augment", "--num-workers", "2", "--loader-workers", "1",
+        "--epochs", "2", "--global-batch-size", "4", "--storage-path", str(root / "runs"), "--name", "enc",
+        "--log-every", "0",
+    )  # fmt: skip
     return {**result, "data": data}
+
+
+def test_an_encoded_image_folder_trains(encoded_run):
+    from raytrain_mp.data import read_meta
+    from raytrain_mp.models import build_model
+
+    from helpers import load_model_pt
+
+    assert encoded_run["epochs"] == 2 and encoded_run["world_size"] == 2
+    assert encoded_run["val_count"] == read_meta(encoded_run["data"]).counts["val"] > 0
+    state = load_model_pt(encoded_run)
+    assert state["conv1.weight"].shape == (64, 3, 3, 3)  # small stem: 32 px
+    build_model("resnet18", 3, 3, True).load_state_dict(state, strict=True)
 
 
 def test_predict_gives_evals_classes_for_encoded_validation_files(encoded_run, tmp_path):
