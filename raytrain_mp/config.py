@@ -55,7 +55,8 @@ FIELD_GROUPS = {
     **dict.fromkeys(("model", "small_stem", "weights", "precision", "sync_bn", "deferred_bn",
                      "memory_format", "bn_momentum"), "model"),
     **dict.fromkeys(("epochs", "base_lr", "base_batch", "lr_rule", "warmup_epochs", "lr_decay", "step_epochs",
-                     "gamma", "optimizer", "momentum", "weight_decay", "global_batch_size", "batch_size_per_worker",
+                     "gamma", "optimizer", "momentum", "weight_decay", "norm_weight_decay", "global_batch_size",
+                     "batch_size_per_worker",
                      "grad_accum_steps", "clip_grad_norm", "lr", "seed", "freeze_backbone",
                      "backbone_lr_scale", "label_smoothing", "model_ema", "model_ema_steps",
                      "model_ema_decay", "mixup_alpha", "cutmix_alpha"), "optimization"),
@@ -355,7 +356,10 @@ class TrainOptions:
     gamma: float = option(0.1, "step decay factor")
     optimizer: str = option("sgd", "optimizer", OPTIMIZERS)
     momentum: float = option(0.9, "SGD momentum")
-    weight_decay: float = option(5e-4, "weight decay (never on BatchNorm and bias)")
+    weight_decay: float = option(5e-4, "weight decay of conv and linear weights")
+    norm_weight_decay: float = option(
+        0.0, "weight decay of normalization layers' weights and biases and of every bias (default: none, Goyal et al.)"
+    )
     precision: str = option(
         "fp32", "fp32 | bf16 (autocast) | fp16 (CUDA, GradScaler) | fp64 (verification)", PRECISIONS
     )
@@ -403,6 +407,7 @@ class TrainOptions:
         if self.bn_momentum is not None:
             check(0 < self.bn_momentum <= 1, "bn_momentum", f"must be in (0, 1], got {self.bn_momentum}")
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(self.norm_weight_decay >= 0, "norm_weight_decay", f"must be >= 0, got {self.norm_weight_decay}")
         check(self.checkpoint_every >= 1, "checkpoint_every", f"must be >= 1, got {self.checkpoint_every}")
         check(self.num_to_keep >= 1, "num_to_keep", f"must be >= 1, got {self.num_to_keep}")
         check(self.max_failures >= -1, "max_failures", f"must be >= 0 (or -1: unlimited), got {self.max_failures}")

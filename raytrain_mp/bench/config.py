@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from raytrain_mp.config import check, check_choice, check_local, check_writable, option
+from raytrain_mp.data.augment import POLICIES
 from raytrain_mp.models import MODEL_HELP, RESNET_NAMES, check_model_syntax
 from raytrain_mp.pipeline.layouts import MEMORY_FORMATS
 from raytrain_mp.pipeline.schedule import SCHEDULES
@@ -257,6 +258,13 @@ class BenchDataConfig:
     loader_workers: tuple[int, ...] = option((1, 2), "loader process counts to measure")
     repeats: int = option(3, "timed passes over the images per figure (after one untimed pass)")
     seed: int = option(0, "seed of the image crops, the sample order and the augmentation")
+    auto_augment: str | None = option(
+        None,
+        f"an auto-augment policy ({', '.join(POLICIES)}) in every loader case's augmenting loaders: ours (keyed "
+        "draws, in the loader processes, as ddp --auto-augment does) and torchvision's ImageFolder (the policy after "
+        "the flip, as its reference recipe); the per-sample float path predates the recipe and is left out",
+        POLICIES,
+    )
     pipeline_steps: int = option(
         30,
         f"{DATA_PIPELINE_CASE}: timed train steps per pass (each pass is its own epoch; the case makes "
@@ -284,6 +292,8 @@ class BenchDataConfig:
         unknown = [c for c in self.cases if c not in DATA_CASES]
         check(not unknown, "cases", f"unknown case(s) {unknown}; accepted: {', '.join(DATA_CASES)}")
         check(len(set(self.cases)) == len(self.cases), "cases", f"each case once, got {list(self.cases)}")
+        if self.auto_augment is not None:
+            check_choice(self, "auto_augment")
         check(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
         check(self.num_images >= 20, "num_images", f"must be >= 20 (one val image in 20), got {self.num_images}")
         if any(case in DATA_LOADER_CASES for case in self.cases):

@@ -14,6 +14,10 @@ second a ``DataLoader`` delivers:
 - torchvision's ``ImageFolder`` + PIL transforms + ``DataLoader`` over the same images as files
   (PNG for the raw cases, so the pixels are the same; the JPEG files themselves for the encoded one).
 
+With ``--auto-augment POLICY`` ours and torchvision's run that policy too (torchvision's own ops on
+the uint8 image in both; ours under keyed draws), and the per-sample float path, which has no
+policy, is left out: the cost of the policy is this run's figures against a run without it.
+
 And, only when ``--cases`` names it, ``pipeline_input_jpeg_224`` (``bench.data_pipeline``): the pipeline
 run loop with the driver reading each batch against stage loaders reading them.
 
@@ -46,6 +50,7 @@ from raytrain_mp.bench.data_pipeline import measure_pipeline_input, pipeline_plo
 from raytrain_mp.data import ParquetImageDataset
 from raytrain_mp.data.loader import EpochKeys, make_loader
 from raytrain_mp.data.prepare import prepare
+from raytrain_mp.data.recipe_draws import Recipe
 
 CPU_TICK = 0.01  # the resolution of cpu_times() without /proc: a shorter pass (tiny settings) counts one tick
 
@@ -112,7 +117,9 @@ def measure_case(cfg: BenchDataConfig, name: str, root: Path) -> dict[str, Any]:
     prepared = root / "prepared"
     options = {"encoded": True, "image_size": side} if encoded else {}
     prepare(f"imagefolder:{images}", prepared, val_fraction=VAL_FRACTION, seed=cfg.seed, **options)
-    ours_ds = ParquetImageDataset(str(prepared), "train", augment=True, seed=cfg.seed)
+    ours_ds = ParquetImageDataset(
+        str(prepared), "train", augment=True, seed=cfg.seed, recipe=Recipe(auto_augment=cfg.auto_augment)
+    )
     samples = len(ours_ds) // cfg.loader_batch_size * cfg.loader_batch_size
     cpu_transform = partial(ours_ds.transform, device=torch.device("cpu"), dtype=torch.float32)
 
@@ -130,9 +137,10 @@ def measure_case(cfg: BenchDataConfig, name: str, root: Path) -> dict[str, Any]:
     loaders = {"ours_uint8": (ours, None, samples)}
     if not encoded:
         loaders["ours_plus_cpu_transform"] = (ours, cpu_transform, samples)
-        loaders["per_sample_float_before"] = (before, None, samples)
+        if cfg.auto_augment is None:
+            loaders["per_sample_float_before"] = (before, None, samples)
     loaders["torchvision_imagefolder_pil"] = (
-        partial(torchvision_loader, str(images), side, encoded, cfg.loader_batch_size),
+        partial(torchvision_loader, str(images), side, encoded, cfg.loader_batch_size, policy=cfg.auto_augment),
         None,
         cfg.num_images,
     )
@@ -161,7 +169,7 @@ def measure_case(cfg: BenchDataConfig, name: str, root: Path) -> dict[str, Any]:
 def ratios(cases: dict[str, Any], figure: str) -> dict[str, dict[str, float]]:
     """The acceptance figures, per process count, from the medians of ``figure`` (``per_process``
     or ``samples_per_cpu_second``): ours over the per-sample path (raw 224), with and without the
-    batch transform on the CPU, and ours over torchvision (encoded); those of the loader cases measured."""
+    batch transform on the CPU, and ours over torchvision (encoded); those of the loaders measured."""
 
     def ratio(case: str, ours: str, peer: str) -> dict[str, float]:
         loaders = cases[case]["loaders"]
@@ -179,7 +187,7 @@ def ratios(cases: dict[str, Any], figure: str) -> dict[str, dict[str, float]]:
         ),
         "encoded_224_ours_over_torchvision": ("encoded_jpeg_224", "ours_uint8", "torchvision_imagefolder_pil"),
     }
-    return {name: ratio(*of) for name, of in wanted.items() if of[0] in cases}
+    return {name: ratio(*of) for name, of in wanted.items() if of[0] in cases and of[2] in cases[of[0]]["loaders"]}
 
 
 # -- the pipeline input case: the run loop fed by the driver (before) vs read by the stages (after) --
@@ -208,7 +216,8 @@ def run_bench_data(cfg: BenchDataConfig) -> dict[str, Any]:
                 labels.append(f"{label.replace('_', ' ')}\n{workers} process(es)")
                 figures.append(figure["per_process"])
         plot = out / f"{name}_per_process.png"
-        title = f"{name}: loader samples/s per loader process, batch {cfg.loader_batch_size}"
+        policy = f", auto-augment {cfg.auto_augment}" if cfg.auto_augment else ""
+        title = f"{name}: loader samples/s per loader process, batch {cfg.loader_batch_size}{policy}"
         bar_chart(plot, labels, figures, "samples per second per loader process", title)
         plots.append(str(plot))
     results = {
@@ -221,6 +230,7 @@ def run_bench_data(cfg: BenchDataConfig) -> dict[str, Any]:
             "loader_workers": list(cfg.loader_workers),
             "repeats": cfg.repeats,
             "seed": cfg.seed,
+            "auto_augment": cfg.auto_augment,
             **(
                 {
                     "pipeline_steps": cfg.pipeline_steps,

@@ -47,10 +47,15 @@ class PerSampleFloatDataset(ParquetImageDataset):
         return image
 
 
-def torchvision_loader(folder: str, size: int, resized_crop: bool, batch_size: int, workers: int) -> DataLoader:
+def torchvision_loader(
+    folder: str, size: int, resized_crop: bool, batch_size: int, workers: int, policy: str | None = None
+) -> DataLoader:
     """ImageFolder + PIL transforms + DataLoader over ``folder``: RandomResizedCrop(size) when
-    ``resized_crop``, else RandomCrop(size, padding=size/8); then flip, ToTensor, Normalize."""
+    ``resized_crop``, else RandomCrop(size, padding=size/8); then flip, the auto-augment
+    ``policy`` if any (where torchvision's reference recipe puts it), ToTensor, Normalize."""
     from torchvision import datasets, transforms
+
+    from raytrain_mp.data.recipe_draws import auto_augment
 
     crop = (
         transforms.RandomResizedCrop(size) if resized_crop else transforms.RandomCrop(size, padding=max(1, size // 8))
@@ -59,6 +64,7 @@ def torchvision_loader(folder: str, size: int, resized_crop: bool, batch_size: i
         [
             crop,
             transforms.RandomHorizontalFlip(),
+            *([auto_augment(policy)] if policy else []),
             transforms.ToTensor(),
             transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
         ]

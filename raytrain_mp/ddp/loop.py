@@ -203,7 +203,7 @@ def build_worker(
     schedule = schedule_for(cfg, steps_per_epoch)
     scales = lr_scales(ddp.module, cfg.backbone_lr_scale) if cfg.backbone_lr_scale != 1 else None
     optimizer = build_optimizer(
-        ddp.parameters(), cfg.optimizer, schedule.peak_lr, cfg.momentum, cfg.weight_decay, lr_scale=scales
+        ddp.parameters(), cfg.optimizer, schedule.peak_lr, cfg.momentum, cfg.weight_decay, scales, cfg.norm_weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")

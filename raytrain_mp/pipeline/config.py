@@ -159,6 +159,7 @@ class PipelineConfig(TrainOptions):
             lr=lr,
             momentum=self.momentum,
             weight_decay=self.weight_decay,
+            norm_weight_decay=self.norm_weight_decay,
             use_gpu=self.use_gpu,
             deferred_bn=self.deferred_bn,
             clip_grad_norm=self.clip_grad_norm,

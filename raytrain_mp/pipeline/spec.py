@@ -41,6 +41,7 @@ class PipelineSpec:
     lr: float = 0.1
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    norm_weight_decay: float = 0.0
     use_gpu: bool | None = None
     deferred_bn: bool = False
     clip_grad_norm: float | None = None
@@ -69,7 +70,7 @@ class PipelineSpec:
             raise OptionError("virtual_stages", f"must be >= 1, got {self.virtual_stages}")
         layout = schedule_entry(self.schedule).layout
         check_schedule(self.schedule, self.num_stages, self.virtual_stages, self.num_microbatches, layout)
-        check_optimizer(self.optimizer, self.lr, self.momentum, self.weight_decay)
+        check_optimizer(self.optimizer, self.lr, self.momentum, self.weight_decay, self.norm_weight_decay)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise OptionError("clip_grad_norm", f"must be > 0, got {self.clip_grad_norm}")
         if self.cpus_per_stage < 1 or int(self.cpus_per_stage) != self.cpus_per_stage:
@@ -99,6 +100,7 @@ _STAGE_FIELDS = (
     "lr",
     "momentum",
     "weight_decay",
+    "norm_weight_decay",
     "deferred_bn",
     "autocast_bf16",
     "memory_format",

@@ -107,14 +107,10 @@ class StageWorker:
         self._layouts = [layout for _ in self.modules]
         self._runners = [in_layout(self._wrap(module), layout) for module in self.modules]
         self.dtype = next(p for module in self.modules for p in module.parameters()).dtype
-        check_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay)
-        self.optimizer = build_optimizer(
-            [p for module in self.modules for p in module.parameters()],
-            config.optimizer,
-            config.lr,
-            config.momentum,
-            config.weight_decay,
-        )
+        check_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay, config.norm_weight_decay)
+        params = [p for module in self.modules for p in module.parameters()]
+        decays = {"weight_decay": config.weight_decay, "norm_weight_decay": config.norm_weight_decay}
+        self.optimizer = build_optimizer(params, config.optimizer, config.lr, config.momentum, **decays)
         self.holds_first = config.holder(0) == config.rank
         self.holds_last = config.holder(config.num_stages - 1) == config.rank
         reads = config.data is not None and (self.holds_first or self.holds_last)

@@ -37,6 +37,7 @@ class StageConfig:
     lr: float = 0.1
     momentum: float = 0.9
     weight_decay: float = 0.0
+    norm_weight_decay: float = 0.0
     use_gpu: bool = False
     num_cpus: int = 1
     deferred_bn: bool = False
@@ -71,7 +72,7 @@ class StageConfig:
         return stage_rank(index, self.num_ranks, self.virtual_stages, self.layout)
 
 
-def check_optimizer(name: str, lr: float, momentum: float, weight_decay: float) -> None:
+def check_optimizer(name: str, lr: float, momentum: float, weight_decay: float, norm_weight_decay: float = 0.0) -> None:
     if name not in OPTIMIZERS:
         raise UsageError(f"optimizer: unknown optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")
     if not lr > 0:
@@ -80,6 +81,8 @@ def check_optimizer(name: str, lr: float, momentum: float, weight_decay: float) 
         raise UsageError(f"momentum: must be >= 0, got {momentum}")
     if weight_decay < 0:
         raise UsageError(f"weight_decay: must be >= 0, got {weight_decay}")
+    if norm_weight_decay < 0:
+        raise UsageError(f"norm_weight_decay: must be >= 0, got {norm_weight_decay}")
 
 
 def configure_device(use_gpu: bool, num_cpus: int) -> torch.device:

@@ -376,6 +376,29 @@ def test_bench_data_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_data_with_an_auto_augment_policy(tmp_path):
+    """Ours and torchvision's loaders both run the policy; the per-sample float path, which has none,
+    is left out, and so is its ratio."""
+    out = tmp_path / "data"
+    summary = run_cli_json("bench", "data", "--out", str(out), "--cases", "raw_32,encoded_jpeg_224",
+                           "--num-images", "32", "--loader-batch-size", "8", "--loader-workers", "1", "--repeats", "1",
+                           "--auto-augment", "ta_wide")  # fmt: skip
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["auto_augment"] == "ta_wide"
+    assert set(results["cases"]["raw_32"]["loaders"]) == {
+        "ours_uint8",
+        "ours_plus_cpu_transform",
+        "torchvision_imagefolder_pil",
+    }
+    assert set(results["cases"]["encoded_jpeg_224"]["loaders"]) == {"ours_uint8", "torchvision_imagefolder_pil"}
+    assert summary["ratios"] == results["ratios"]
+    assert set(results["ratios"]["per_process"]) == {"encoded_224_ours_over_torchvision"}
+    for case in results["cases"].values():
+        for by_workers in case["loaders"].values():
+            assert_spread(by_workers["1"]["samples_per_second"])
+
+
+@pytest.mark.slow
 def test_bench_data_pipeline_input_smoke(ray_session, tmp_path):
     """The pipeline run loop fed by the driver (before) and by stage 0's loader (after), on the
     session's Ray: same steps, same samples (equal losses), every figure and ratio there."""
@@ -496,6 +519,10 @@ def test_bench_bad_input(capsys, tmp_path):
         "--num-images: must be at least twice --loader-batch-size 32",
     )
     assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--repeats", "0"), "--repeats: must be >= 1")
+    assert_usage_error(
+        run_cli(capsys, "bench", "data", "--out", out, "--auto-augment", "rand"),
+        "--auto-augment: unknown value 'rand'; accepted: ra, ta_wide, augmix, imagenet, cifar10, svhn",
+    )
     assert_usage_error(
         run_cli(capsys, "bench", "data", "--out", out, "--cases", "raw_32,jpeg"), "--cases: unknown case(s) ['jpeg']"
     )

@@ -41,6 +41,7 @@ from helpers import assert_usage_error, run_cli, session_cpus, session_gpus
         (["--loader-prefetch", "0"], ["--loader-prefetch: must be >= 1, got 0"]),
         # the recipe (issue 49's options so far)
         (["--label-smoothing", "1"], ["--label-smoothing: must be in [0, 1), got 1.0"]),
+        (["--norm-weight-decay", "-0.1"], ["--norm-weight-decay: must be >= 0, got -0.1"]),
         (["--mixup-alpha=-0.2"], ["--mixup-alpha: must be >= 0 (0: off), got -0.2"]),
         (["--cutmix-alpha=-1"], ["--cutmix-alpha: must be >= 0 (0: off), got -1.0"]),
         (["--auto-augment", "rand"], ["--auto-augment", "invalid choice: 'rand'", "'ra', 'ta_wide', 'augmix'"]),

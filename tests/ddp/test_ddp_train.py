@@ -148,11 +148,13 @@ def loader_runs(fp64_runs, storage, tmp_path_factory):
 
 
 # torchvision's recipe (issue 49): per-sample auto-augment and random erasing, mixup or cutmix a
-# step, label smoothing and a weight average updated every step (decay 0.999, which the
-# reference's adjustment makes 0.968 an update at batch 64 over 2 epochs: it visibly lags).
+# step, label smoothing, a weight average updated every step (decay 0.999, which the reference's
+# adjustment makes 0.968 an update at batch 64 over 2 epochs: it visibly lags) and weight decay of
+# the BatchNorm parameters and biases.
 RECIPE = [
     "--auto-augment", "ta_wide", "--random-erase", "0.25", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
     "--label-smoothing", "0.1", "--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.999",
+    "--norm-weight-decay", "0.01",
 ]  # fmt: skip
 
 
@@ -206,6 +208,10 @@ def test_loader_processes_and_augmentation_keep_both_invariances(loader_runs):
         assert run["val_accuracy_ema"] == one_run["val_accuracy_ema"]
     assert max_abs_diff(one, load_model_pt(loader_runs["one"])) > 1e-3  # augmentation did change the batches
     assert max_abs_diff(one, one_ema) > 1e-3  # the average is not the model
+    # the optimizer the workers built: conv/linear weights at --weight-decay, the rest at --norm-weight-decay
+    state = torch.load(Path(one_run["checkpoint"]) / "train_state.pt", map_location="cpu", weights_only=True)
+    decays = {round(group["weight_decay"], 12) for group in state["optimizer"]["param_groups"]}
+    assert decays == {5e-4, 0.01}, decays
 
 
 def test_without_sync_bn_the_model_differs(fp64_runs):

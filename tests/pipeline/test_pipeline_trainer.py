@@ -300,7 +300,7 @@ class TestAgainstGradientAccumulation:
 def test_deferred_bn_time_balance_trials_adamw_and_clipping(ray_session: object) -> None:
     model = _model(torch.float64)
     batches = _batches(torch.float64, 2)
-    options = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.01, "clip_grad_norm": 0.5}
+    options = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.01, "norm_weight_decay": 0.05, "clip_grad_norm": 0.5}
     # The zero-bubble schedule splits each backward into input and weight gradients: the clipping
     # and the deferred statistics must not care. The profile's cut first runs on the actors for a
     # step, and the cut of the profile rescaled to what the ranks measured then, while it is new.
@@ -353,7 +353,8 @@ def test_deferred_bn_time_balance_trials_adamw_and_clipping(ray_session: object)
         state = pipeline.state_dict()
 
     reference = convert_deferred_batchnorm(copy.deepcopy(model))
-    optimizer = build_optimizer(reference.parameters(), "adamw", options["lr"], 0.0, options["weight_decay"])
+    decays = {name: options[name] for name in ("weight_decay", "norm_weight_decay")}
+    optimizer = build_optimizer(reference.parameters(), "adamw", options["lr"], 0.0, **decays)
     want = [_accumulate(reference, optimizer, x, y, 4, clip=options["clip_grad_norm"]) for x, y in batches]
     assert losses == pytest.approx(want, rel=1e-10)
     _assert_state_close(state, reference.state_dict(), 1e-10)
