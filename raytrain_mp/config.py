@@ -358,7 +358,7 @@ class TrainOptions:
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(5e-4, "weight decay of conv and linear weights")
     norm_weight_decay: float = option(
-        0.0, "weight decay of normalization layers' weights and biases and of every bias (default: none, Goyal et al.)"
+        0.0, "normalization layers' weights and biases, and every bias: their weight decay (default 0, Goyal et al.)"
     )
     precision: str = option(
         "fp32", "fp32 | bf16 (autocast) | fp16 (CUDA, GradScaler) | fp64 (verification)", PRECISIONS

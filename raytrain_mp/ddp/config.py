@@ -6,20 +6,16 @@ Pure: no Ray, no writes; ``validate()`` runs before any cluster resource is requ
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from raytrain_mp.config import TrainOptions, check, check_choice, option
-from raytrain_mp.data.augment import POLICIES
+from raytrain_mp.data.recipe_options import RecipeOptions
 from raytrain_mp.ddp.elastic import check_world_sizes, parse_worker_range
-
-if TYPE_CHECKING:
-    from raytrain_mp.data.recipe_draws import Recipe
 
 DDP_PLACEMENTS = ("PACK", "SPREAD")
 
 
 @dataclasses.dataclass
-class DDPConfig(TrainOptions):
+class DDPConfig(RecipeOptions, TrainOptions):
     FAULTS_AT_STEPS = True  # --inject-fault also takes sSTEP: after a global step
 
     num_workers: int | str = option(
@@ -63,19 +59,6 @@ class DDPConfig(TrainOptions):
     backbone_lr_scale: float = option(
         1.0, "the backbone's learning rate as a fraction of the head's (e.g. 0.1 when fine-tuning --weights)"
     )
-    label_smoothing: float = option(
-        0.0, "the loss's label smoothing: the target puts this much mass uniformly over the classes (reference: 0.1)"
-    )
-    mixup_alpha: float = option(
-        0.0, "mixup: each sample takes 1 - lambda of a partner sample, lambda ~ Beta(alpha, alpha) a step (0: off)"
-    )
-    cutmix_alpha: float = option(
-        0.0, "cutmix: a box of each sample holds its partner's pixels (0: off; with --mixup-alpha: either, 1/2 each)"
-    )
-    auto_augment: str | None = option(None, "per-sample auto-augment policy, torchvision's (default: none)", POLICIES)
-    ra_magnitude: int = option(9, "--auto-augment ra: the magnitude of its ops")
-    augmix_severity: int = option(3, "--auto-augment augmix: the severity of its ops")
-    random_erase: float = option(0.0, "probability of erasing a random box of each training image (reference: 0.25)")
     model_ema: bool = option(
         False,
         "keep an exponential moving average of the weights, evaluated every epoch (val_accuracy_ema) and saved as "
@@ -120,14 +103,6 @@ class DDPConfig(TrainOptions):
             "freeze_backbone",
             "needs --weights (a pretrained backbone to keep); accepted: with --weights, or --no-freeze-backbone",
         )
-        check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
-        for name in ("mixup_alpha", "cutmix_alpha"):
-            check(getattr(self, name) >= 0, name, f"must be >= 0 (0: off), got {getattr(self, name)}")
-        if self.auto_augment is not None:
-            check_choice(self, "auto_augment")
-        check(0 <= self.ra_magnitude <= 30, "ra_magnitude", f"must be in [0, 30], got {self.ra_magnitude}")
-        check(1 <= self.augmix_severity <= 10, "augmix_severity", f"must be in [1, 10], got {self.augmix_severity}")
-        check(0 <= self.random_erase <= 1, "random_erase", f"must be in [0, 1], got {self.random_erase}")
         check(self.model_ema_steps >= 1, "model_ema_steps", f"must be >= 1, got {self.model_ema_steps}")
         check(0 <= self.model_ema_decay <= 1, "model_ema_decay", f"must be in [0, 1], got {self.model_ema_decay}")
         check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
@@ -145,14 +120,6 @@ class DDPConfig(TrainOptions):
             "precision",
             "fp16 needs CUDA (GradScaler); on CPU use bf16 or fp32",
         )
-
-    @property
-    def recipe(self) -> Recipe:
-        """The options that act on training samples (``data.recipe_draws``)."""
-        from raytrain_mp.data.recipe_draws import Recipe
-
-        fields = ("auto_augment", "ra_magnitude", "augmix_severity", "random_erase", "mixup_alpha", "cutmix_alpha")
-        return Recipe(**{name: getattr(self, name) for name in fields})
 
     @property
     def min_workers(self) -> int:

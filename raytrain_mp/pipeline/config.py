@@ -10,6 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from raytrain_mp.config import TrainOptions, check, check_choice, option
+from raytrain_mp.data.recipe_options import RecipeOptions
 from raytrain_mp.errors import OptionError
 from raytrain_mp.pipeline.layouts import MEMORY_FORMATS, PLACEMENT_STRATEGIES
 from raytrain_mp.pipeline.schedule import SCHEDULES
@@ -39,7 +40,7 @@ BALANCES = ("time", "params", "none")
 
 
 @dataclasses.dataclass
-class PipelineConfig(TrainOptions):
+class PipelineConfig(RecipeOptions, TrainOptions):
     precision: str = option("fp32", "fp32 | bf16 (autocast) | fp64 (verification)", ("fp32", "bf16", "fp64"))
     stages: int = option(2, "pipeline stages, one Ray actor each")
     replicas: int = option(
@@ -160,6 +161,7 @@ class PipelineConfig(TrainOptions):
             momentum=self.momentum,
             weight_decay=self.weight_decay,
             norm_weight_decay=self.norm_weight_decay,
+            label_smoothing=self.label_smoothing,
             use_gpu=self.use_gpu,
             deferred_bn=self.deferred_bn,
             clip_grad_norm=self.clip_grad_norm,

@@ -20,6 +20,12 @@ Invariants:
   samples each read, for the tests that check who reads what.
 - Validation reads every sample of the val split once, in order, in batches of
   ``StageData.val_batch_size`` (the last one smaller), as the driver's ``DataLoader`` did.
+- The recipe (``StageData.recipe``): the loader draws each sample's auto-augment and erasing box
+  by (seed, epoch, index), as DDP's does. With mixup or cutmix each sample comes with its partner
+  (``recipe_draws.partner``, by sample and epoch, so never by how the batch is shared); the first
+  stage mixes the pixels and the last stage the labels (class probabilities) with the step's one
+  draw (``recipe_draws.step_mix``, by (seed, epoch, global step)), so both mix alike without
+  telling each other, and whatever the replicas.
 """
 
 from __future__ import annotations
@@ -35,16 +41,18 @@ from torch.utils.data import Sampler, SequentialSampler
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.format import DatasetMeta
 from raytrain_mp.data.loader import EpochKeys, make_loader
+from raytrain_mp.data.recipe_draws import Mix, Recipe, partner, step_mix
 from raytrain_mp.errors import UsageError
+from raytrain_mp.preprocessing import input_hw
 
 
 @dataclass(frozen=True)
 class StageData:
     """Where a pipeline's stages read their batches: the prepared data set at ``root`` (a local or
     shared path, or a URI, as ``--data`` takes), in global batches of ``global_batch_size``
-    shuffled by ``seed``, augmented when ``augment``; the first stage of each replica decodes with
-    ``loader_workers`` processes (each keeping ``loader_prefetch`` batches ready; 0 reads in the
-    stage actor itself) and its Ray bundle reserves a CPU for each."""
+    shuffled by ``seed``, augmented when ``augment`` and by ``recipe``; the first stage of each
+    replica decodes with ``loader_workers`` processes (each keeping ``loader_prefetch`` batches
+    ready; 0 reads in the stage actor itself) and its Ray bundle reserves a CPU for each."""
 
     root: str
     global_batch_size: int
@@ -54,6 +62,7 @@ class StageData:
     loader_prefetch: int = 2
     val_batch_size: int | None = None  # None: global_batch_size
     preprocess: str | None = None  # the run's --preprocess spec (``preprocessing``): None, data, or the weights'
+    recipe: Recipe = Recipe()  # the recipe's options on training samples (``data.recipe_draws``)
 
     def check(self, meta: DatasetMeta) -> None:
         if self.loader_workers < 0 or self.loader_prefetch < 1:
@@ -123,12 +132,15 @@ class StageFeed:
         self.share = data.global_batch_size // num_replicas
         self.start = replica * self.share
         train = ParquetImageDataset(
-            data.root, "train", augment=data.augment, seed=data.seed, meta=meta, preprocess=data.preprocess
-        )
+            data.root, "train", augment=data.augment, seed=data.seed, meta=meta, preprocess=data.preprocess,
+            recipe=data.recipe,
+        )  # fmt: skip
         val = ParquetImageDataset(data.root, "val", meta=meta, preprocess=data.preprocess)
         self._train_labels, self._val_labels = torch.tensor(train.labels), torch.tensor(val.labels)
         self._length = len(train)
-        self.reads = 0  # samples this actor read: images on the first stage, else labels
+        self._num_classes, self._dtype = meta.num_classes, dtype
+        self._input_hw = input_hw(data.preprocess, *meta.image_shape[:2])  # the model input's, as mixing draws on it
+        self.reads = 0  # samples this actor read (partners too): images on the first stage, else labels
         self._images = images
         self._labels = labels
         self._next: tuple[int, int] | None = None  # the position the open train iterator reads next
@@ -156,11 +168,27 @@ class StageFeed:
                 self._batches = iter(self._train_loader)
             images, _, params = next(self._batches)
             self._next = (epoch, step + 1)
-            inputs = self._to_input(images, params)
+            if self.data.recipe.mixing:  # images (N, 2, C, H, W): each sample, then its partner
+                x = self._to_input(images.flatten(0, 1), params.flatten(0, 1)).unflatten(0, (len(images), 2))
+                inputs = self._mix(epoch, step).images(x[:, 0], x[:, 1])
+            else:
+                inputs = self._to_input(images, params)
         if self._labels:
-            labels = self._train_labels[self._share_indices(epoch, step)]
-        self.reads += self.share
+            indices = self._share_indices(epoch, step)
+            labels = self._train_labels[indices]
+            if self.data.recipe.mixing:
+                mates = [partner(self.data.seed, epoch, int(i), self._length) for i in indices]
+                labels = self._mix(epoch, step).targets(
+                    labels, self._train_labels[mates], self._num_classes, self._dtype
+                )
+        self.reads += self.share * (1 + self.data.recipe.mixing)
         return inputs, labels
+
+    def _mix(self, epoch: int, step: int) -> Mix:
+        """Global step ``step`` of ``epoch``'s mixing: the same draw on the first and the last stage."""
+        recipe, steps_per_epoch = self.data.recipe, self._length // self.data.global_batch_size
+        global_step = epoch * steps_per_epoch + step
+        return step_mix(recipe.mixup_alpha, recipe.cutmix_alpha, self._input_hw, self.data.seed, epoch, global_step)
 
     def _share_indices(self, epoch: int, step: int) -> Tensor:
         if self._order is None or self._order[0] != epoch:

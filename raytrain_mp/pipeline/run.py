@@ -207,7 +207,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     meta = read_meta(cfg.data)
     model = build_run_model(cfg, meta)
     reading = (cfg.data, cfg.global_batch_size, cfg.seed, cfg.augment, cfg.loader_workers, cfg.loader_prefetch)
-    data = StageData(*reading, preprocess=cfg.preprocess)
+    data = StageData(*reading, preprocess=cfg.preprocess, recipe=cfg.recipe)
     steps_per_epoch = meta.counts["train"] // cfg.global_batch_size
     schedule = schedule_for(cfg, steps_per_epoch)
     run = run_location(cfg)

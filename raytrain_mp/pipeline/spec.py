@@ -42,6 +42,7 @@ class PipelineSpec:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     norm_weight_decay: float = 0.0
+    label_smoothing: float = 0.0
     use_gpu: bool | None = None
     deferred_bn: bool = False
     clip_grad_norm: float | None = None
@@ -101,6 +102,7 @@ _STAGE_FIELDS = (
     "momentum",
     "weight_decay",
     "norm_weight_decay",
+    "label_smoothing",
     "deferred_bn",
     "autocast_bf16",
     "memory_format",

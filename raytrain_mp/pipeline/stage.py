@@ -34,9 +34,10 @@ What torch's runtime does not do, and this module adds:
   m or the micro-batch shape changes, the ranks pass one real micro-batch through the stages in
   eval mode without autograd (``_probe``; no statistics change) and build the stages with those
   shapes, so torch's runtime never infers.
-- Our loss: the last stage's loss for a micro-batch is ``sum of cross-entropy * loss_scale`` with
-  ``loss_scale = 1 / batch size`` and torch's ``scale_grads`` off, so accumulated gradients equal one
-  backward of the batch mean and the returned losses sum to it.
+- Our loss: the last stage's loss for a micro-batch is ``sum of cross-entropy * loss_scale`` (with
+  ``label_smoothing``; on labels or mixed class probabilities) with ``loss_scale = 1 / batch size`` and
+  torch's ``scale_grads`` off, so accumulated gradients equal one backward of the batch mean and the
+  returned losses sum to it.
 - Receives posted ahead (gloo only, the entry's ``post_ahead``) and the last backward split (the
   entry's ``split_last_backward``), both in ``timed_stage.TimedStage``.
 - Clipping by the global norm over all ranks (one all-reduce), deferred BatchNorm commits, and the
@@ -247,8 +248,11 @@ class StageWorker:
     # -- training ----------------------------------------------------------------------------------
 
     def _loss(self, output: Tensor, targets: Tensor) -> Tensor:
-        # Under bf16 autocast the logits are bf16; the loss is taken in the model's dtype.
-        return F.cross_entropy(output.to(self.dtype), targets, reduction="sum") * self._loss_scale
+        # Under bf16 autocast the logits are bf16; the loss is taken in the model's dtype. Targets are
+        # labels, or class probabilities where the feed mixed the samples.
+        smoothing = self.config.label_smoothing
+        loss = F.cross_entropy(output.to(self.dtype), targets, reduction="sum", label_smoothing=smoothing)
+        return loss * self._loss_scale
 
     def _build_schedule(self, schedule: Schedule, num_microbatches: int, probe: Tensor | None) -> Any:
         """Torch's schedule over this rank's stages (a list for the multi-stage ones), with static

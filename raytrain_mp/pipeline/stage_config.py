@@ -38,6 +38,7 @@ class StageConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     norm_weight_decay: float = 0.0
+    label_smoothing: float = 0.0  # of the last stage's loss (``F.cross_entropy``'s)
     use_gpu: bool = False
     num_cpus: int = 1
     deferred_bn: bool = False

@@ -133,6 +133,7 @@ class PipelineTrainer:
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
         norm_weight_decay: float = 0.0,
+        label_smoothing: float = 0.0,
         use_gpu: bool | None = None,
         deferred_bn: bool = False,
         clip_grad_norm: float | None = None,

@@ -138,12 +138,18 @@ def test_more_replicas_than_the_cluster_holds(ray_session, tiny_data, tmp_path, 
     assert not runs.exists()
 
 
+# torchvision's recipe as the pipeline takes it: per-sample auto-augment and erasing, mixup or cutmix
+# a step (pixels on the first stage, labels on the last), label smoothing, BatchNorm weight decay.
+RECIPE = ["--auto-augment", "ta_wide", "--random-erase", "0.25", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
+          "--label-smoothing", "0.1", "--norm-weight-decay", "0.01"]  # fmt: skip
+
+
 def fp64_args(tiny_data: str, storage: str) -> list[str]:
-    """The fp64 runs' arguments: 2 epochs of 5 steps, 2 stages, 1F1B over 4 micro-batches."""
+    """The fp64 runs' arguments: 2 epochs of 5 steps, 2 stages, 1F1B over 4 micro-batches, the recipe."""
     return ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2",
             "--global-batch-size", "32", "--microbatches", "4", "--schedule", "1f1b", "--epochs", "2",
             "--precision", "fp64", "--balance", "params", "--storage-path", storage, "--log-every", "1", "--augment",
-            "--loader-workers", "1"]  # fmt: skip
+            "--loader-workers", "1", *RECIPE]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -321,12 +327,13 @@ def test_replicas_survive_a_killed_actor_and_a_change_of_replicas(fp64_runs, tin
     with 1 replica until it fails after step 3, it is rerun with 2 replicas, which continues with
     step 4 from the checkpoint after step 2, and whose actor of replica 1, stage 0 is killed after
     epoch 1 and rebuilt from the checkpoint. The stage actors read the batches themselves here (no
-    loader process), and the plain run's loader processes read the same."""
+    loader process), and the plain run's loader processes read the same. Both run the recipe
+    (``RECIPE``): 1 and 2 replicas mix alike."""
     plain, *_ = fp64_runs
     marker = tmp_path / "fault-marker"
     args = ["pipeline", "--no-use-gpu", "--data", tiny_data, "--model", "resnet18", "--stages", "2",
             "--global-batch-size", "32", "--schedule", "1f1b", "--precision", "fp64", "--balance", "params",
-            "--storage-path", str(tmp_path / "runs"), "--log-every", "0", "--augment"]  # fmt: skip
+            "--storage-path", str(tmp_path / "runs"), "--log-every", "0", "--augment", *RECIPE]  # fmt: skip
     code, output = run_cli_text(*args, "--name", "change", "--epochs", "2", "--replicas", "1", "--microbatches", "4",
                                 "--checkpoint-every-steps", "2",
                                 "--inject-fault", f"0:s3:{tmp_path / 'failed'}")  # fmt: skip

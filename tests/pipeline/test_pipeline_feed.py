@@ -3,7 +3,9 @@ batch itself, the last stage its labels, and the driver's calls carry positions,
 
 Pure rules first (shares, checkpoint segments and order), then ``PipelineTrainer(data=...)`` on
 real stage actors against single-process gradient accumulation over the same samples, in float64,
-for every schedule, with augmentation, loader processes and replicas.
+for every schedule, with augmentation, loader processes and replicas; with one stage per rank (1
+and 2 replicas) also with every option of torchvision's recipe that acts on samples and the loss
+(auto-augment, random erasing, mixup/cutmix, label smoothing).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from raytrain_mp.checkpointing import checkpoint_name, checkpoint_order
 from raytrain_mp.data import ParquetImageDataset
+from raytrain_mp.data.recipe_draws import Recipe, step_mix
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline import PipelineTrainer
 from raytrain_mp.pipeline.feed import ShareSampler, StageData, epoch_batches, val_batch_sizes, val_chunks
@@ -27,6 +30,8 @@ from raytrain_mp.pipeline.run import step_segments
 
 BATCH, SEED = 16, 7
 LRS = [0.05, 0.03, 0.02]
+RECIPE = Recipe(auto_augment="ta_wide", random_erase=0.25, mixup_alpha=0.2, cutmix_alpha=1.0)
+SMOOTHING = 0.1
 
 
 # -- pure ------------------------------------------------------------------------------------------
@@ -106,20 +111,26 @@ def _model() -> nn.Module:
     return nn.Sequential(block(1, 6), block(6, 8), block(8, 8), head).double()
 
 
-def _reference(root: str, steps: int, parts: int) -> tuple[list[float], nn.Module]:
+def _reference(root: str, steps: int, parts: int, recipe: Recipe, smoothing: float) -> tuple[list[float], nn.Module]:
     """Single-process gradient accumulation over the samples of epoch 0's first ``steps`` global
-    batches, read and augmented on the driver, in ``parts`` micro-batches each."""
+    batches, read and augmented on the driver, in ``parts`` micro-batches each; mixed, where the
+    ``recipe`` mixes, with each sample's partner by the step's draw."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LRS[0], momentum=0.9)
-    train = ParquetImageDataset(root, "train", augment=True, seed=SEED)
+    train = ParquetImageDataset(root, "train", augment=True, seed=SEED, recipe=recipe)
     losses = []
-    for indices, lr in zip(epoch_batches(len(train), BATCH, SEED, 0)[:steps], LRS):
+    for step, (indices, lr) in enumerate(zip(epoch_batches(len(train), BATCH, SEED, 0)[:steps], LRS)):
         images, y, params = train.batch((0, int(i)) for i in indices)
+        if recipe.mixing:  # (sample, partner) pairs
+            pairs = train.transform(images.flatten(0, 1), params.flatten(0, 1), torch.device("cpu"), torch.float64)
+            x = pairs.unflatten(0, (len(y), 2))
+            mix = step_mix(recipe.mixup_alpha, recipe.cutmix_alpha, tuple(x.shape[-2:]), SEED, 0, step)
+            x, y = mix.images(x[:, 0], x[:, 1]), mix.targets(y[:, 0], y[:, 1], 4, torch.float64)
+        else:
+            x = train.transform(images, params, torch.device("cpu"), torch.float64)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        losses.append(
-            _accumulate(model, optimizer, train.transform(images, params, torch.device("cpu"), torch.float64), y, parts)
-        )
+        losses.append(_accumulate(model, optimizer, x, y, parts, label_smoothing=smoothing))
     return losses, model
 
 
@@ -156,7 +167,8 @@ class _Spy:
 def trainer_for(images: str, ray_session: object) -> Iterator:
     """A trainer per layout (virtual stages, replicas), made once and reset to its initial state
     for each use: 2 ranks, one loader process on the first (3 CPUs); with 2 replicas none (4 CPUs,
-    the least the session has; a replica's result does not depend on who reads, which this also checks)."""
+    the least the session has; a replica's result does not depend on who reads, which this also checks).
+    One stage per rank: with the recipe (``RECIPE``, ``SMOOTHING``); two: without."""
     made: dict[tuple[int, int], tuple[PipelineTrainer, dict, list]] = {}
 
     def trainer_for(schedule: str, virtual: int, replicas: int) -> PipelineTrainer:
@@ -164,9 +176,11 @@ def trainer_for(images: str, ray_session: object) -> Iterator:
             for trainer, _, _ in made.values():  # the session's CPUs (4 on a CPU machine) hold one at a time
                 trainer.shutdown()
             made.clear()
+            recipe = RECIPE if virtual == 1 else Recipe()
             data = StageData(
-                images, BATCH, seed=SEED, augment=True, loader_workers=int(replicas == 1), val_batch_size=16
-            )
+                images, BATCH, seed=SEED, augment=True, loader_workers=int(replicas == 1), val_batch_size=16,
+                recipe=recipe,
+            )  # fmt: skip
             trainer = PipelineTrainer(
                 _model(),
                 2,
@@ -177,6 +191,7 @@ def trainer_for(images: str, ray_session: object) -> Iterator:
                 lr=LRS[0],
                 momentum=0.9,
                 weight_decay=0.0,
+                label_smoothing=SMOOTHING if recipe.mixing else 0.0,
                 use_gpu=False,
                 memory_format="contiguous",
                 data=data,
@@ -201,7 +216,8 @@ def test_stages_read_their_batches_and_equal_gradient_accumulation(
     trainer_for, images, schedule, virtual, replicas
 ) -> None:
     """Three steps (2 a call, the second call queued), then the val split: the model equals single-process
-    gradient accumulation over the same 4 micro-batches a step, and the driver sent positions."""
+    gradient accumulation over the same 4 micro-batches a step (mixed by the recipe, one stage per
+    rank), and the driver sent positions."""
     trainer = trainer_for(schedule, virtual, replicas)
     reads_before = trainer.reads()
     sizes: list[tuple[str, int]] = []
@@ -213,7 +229,8 @@ def test_stages_read_their_batches_and_equal_gradient_accumulation(
         evaluation = trainer.evaluate()
     finally:
         stages.actors = actors
-    want_losses, want_model = _reference(images, len(LRS), 4)
+    recipe = RECIPE if virtual == 1 else Recipe()
+    want_losses, want_model = _reference(images, len(LRS), 4, recipe, SMOOTHING if recipe.mixing else 0.0)
     assert losses == pytest.approx(want_losses, rel=1e-10)
     _assert_state_close(trainer.state_dict(), want_model.state_dict(), 1e-10)
     want_eval = _evaluate(want_model, images)
@@ -223,10 +240,10 @@ def test_stages_read_their_batches_and_equal_gradient_accumulation(
     # What the driver sent: 2 calls x every actor, then an evaluation call per rank of replica 0.
     assert [name for name, _ in sizes] == ["train_steps"] * 2 * 2 * replicas + ["evaluate"] * 2
     assert max(size for _, size in sizes) < 2048, sizes
-    # Who read: every first stage its share of 3 steps and the val split on replica 0; every
-    # last stage the same number of labels.
+    # Who read: every first stage its share of 3 steps (and each sample's partner, mixing) and
+    # the val split on replica 0; every last stage the same number of labels.
     reads = [after - before for before, after in zip(reads_before, trainer.reads())]
-    share = BATCH // replicas
+    share = BATCH // replicas * (1 + recipe.mixing)
     assert reads == [3 * share + 40 * (replica == 0) for replica in range(replicas) for _ in range(2)]
 
 

@@ -74,12 +74,13 @@ def _accumulate(
     y: torch.Tensor,
     m: int,
     clip: float | None = None,
+    label_smoothing: float = 0.0,
 ) -> float:
     """The single-process reference step: losses weighted by micro-batch share, one update."""
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for mb in split_batch(x, y, m):
-        loss = F.cross_entropy(model(mb.inputs), mb.targets) * mb.weight
+        loss = F.cross_entropy(model(mb.inputs), mb.targets, label_smoothing=label_smoothing) * mb.weight
         loss.backward()
         total += loss.item()
     if clip is not None:

@@ -1,0 +1,58 @@
+"""The recipe's options on training samples and the loss, shared by ``ddp`` and ``pipeline``.
+
+Job: the fields (``--auto-augment``, ``--ra-magnitude``, ``--augmix-severity``, ``--random-erase``,
+``--mixup-alpha``, ``--cutmix-alpha``, ``--label-smoothing``), their checks and the ``Recipe`` they
+make, as a dataclass mixin a command's config inherits beside ``config.TrainOptions``.
+Invariants: pure (no torch: the command line builds its parser from these); ``validate`` extends
+the other bases' (cooperative ``super()``), so each check runs once, before any cluster resource.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from raytrain_mp.config import check, check_choice, option
+from raytrain_mp.data.augment import POLICIES
+
+if TYPE_CHECKING:
+    from raytrain_mp.data.recipe_draws import Recipe
+
+SAMPLE_FIELDS = ("auto_augment", "ra_magnitude", "augmix_severity", "random_erase", "mixup_alpha", "cutmix_alpha")
+
+
+@dataclasses.dataclass
+class RecipeOptions:
+    """torchvision's reference recipe options, with its names and meanings."""
+
+    label_smoothing: float = option(
+        0.0, "the loss's label smoothing: the target puts this much mass uniformly over the classes (reference: 0.1)"
+    )
+    mixup_alpha: float = option(
+        0.0, "mixup: each sample takes 1 - lambda of a partner sample, lambda ~ Beta(alpha, alpha) a step (0: off)"
+    )
+    cutmix_alpha: float = option(
+        0.0, "cutmix: a box of each sample holds its partner's pixels (0: off; with --mixup-alpha: either, 1/2 each)"
+    )
+    auto_augment: str | None = option(None, "per-sample auto-augment policy, torchvision's (default: none)", POLICIES)
+    ra_magnitude: int = option(9, "--auto-augment ra: the magnitude of its ops")
+    augmix_severity: int = option(3, "--auto-augment augmix: the severity of its ops")
+    random_erase: float = option(0.0, "probability of erasing a random box of each training image (reference: 0.25)")
+
+    def validate(self) -> None:
+        super().validate()  # type: ignore[misc]  # TrainOptions', next in a command config's bases
+        check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
+        for name in ("mixup_alpha", "cutmix_alpha"):
+            check(getattr(self, name) >= 0, name, f"must be >= 0 (0: off), got {getattr(self, name)}")
+        if self.auto_augment is not None:
+            check_choice(self, "auto_augment")
+        check(0 <= self.ra_magnitude <= 30, "ra_magnitude", f"must be in [0, 30], got {self.ra_magnitude}")
+        check(1 <= self.augmix_severity <= 10, "augmix_severity", f"must be in [1, 10], got {self.augmix_severity}")
+        check(0 <= self.random_erase <= 1, "random_erase", f"must be in [0, 1], got {self.random_erase}")
+
+    @property
+    def recipe(self) -> Recipe:
+        """The options that act on training samples (``data.recipe_draws``)."""
+        from raytrain_mp.data.recipe_draws import Recipe
+
+        return Recipe(**{name: getattr(self, name) for name in SAMPLE_FIELDS})
