@@ -1,8 +1,9 @@
 """The recipe's options on training samples and the loss, shared by ``ddp`` and ``pipeline``.
 
 Job: the fields (``--auto-augment``, ``--ra-magnitude``, ``--augmix-severity``, ``--random-erase``,
-``--mixup-alpha``, ``--cutmix-alpha``, ``--label-smoothing``), their checks and the ``Recipe`` they
-make, as a dataclass mixin a command's config inherits beside ``config.TrainOptions``.
+``--mixup-alpha``, ``--cutmix-alpha``, ``--label-smoothing``, ``--model-ema`` and its steps and
+decay), their checks and the ``Recipe`` the sample options make, as a dataclass mixin a command's
+config inherits beside ``config.TrainOptions``.
 Invariants: pure (no torch: the command line builds its parser from these); ``validate`` extends
 the other bases' (cooperative ``super()``), so each check runs once, before any cluster resource.
 """
@@ -38,6 +39,16 @@ class RecipeOptions:
     ra_magnitude: int = option(9, "--auto-augment ra: the magnitude of its ops")
     augmix_severity: int = option(3, "--auto-augment augmix: the severity of its ops")
     random_erase: float = option(0.0, "probability of erasing a random box of each training image (reference: 0.25)")
+    model_ema: bool = option(
+        False,
+        "keep an exponential moving average of the weights, evaluated every epoch (val_accuracy_ema) and saved as "
+        "ema.pt in every checkpoint",
+    )
+    model_ema_steps: int = option(32, "update the weight average every this many steps of an epoch")
+    model_ema_decay: float = option(
+        0.99998,
+        "the average's decay, adjusted as torchvision's reference does for --model-ema-steps, the batch and the epochs",
+    )
 
     def validate(self) -> None:
         super().validate()  # type: ignore[misc]  # TrainOptions', next in a command config's bases
@@ -49,6 +60,8 @@ class RecipeOptions:
         check(0 <= self.ra_magnitude <= 30, "ra_magnitude", f"must be in [0, 30], got {self.ra_magnitude}")
         check(1 <= self.augmix_severity <= 10, "augmix_severity", f"must be in [1, 10], got {self.augmix_severity}")
         check(0 <= self.random_erase <= 1, "random_erase", f"must be in [0, 1], got {self.random_erase}")
+        check(self.model_ema_steps >= 1, "model_ema_steps", f"must be >= 1, got {self.model_ema_steps}")
+        check(0 <= self.model_ema_decay <= 1, "model_ema_decay", f"must be in [0, 1], got {self.model_ema_decay}")
 
     @property
     def recipe(self) -> Recipe:

@@ -59,16 +59,6 @@ class DDPConfig(RecipeOptions, TrainOptions):
     backbone_lr_scale: float = option(
         1.0, "the backbone's learning rate as a fraction of the head's (e.g. 0.1 when fine-tuning --weights)"
     )
-    model_ema: bool = option(
-        False,
-        "keep an exponential moving average of the weights, evaluated every epoch (val_accuracy_ema) and saved as "
-        "ema.pt in every checkpoint",
-    )
-    model_ema_steps: int = option(32, "update the weight average every this many steps of an epoch")
-    model_ema_decay: float = option(
-        0.99998,
-        "the average's decay, adjusted as torchvision's reference does for --model-ema-steps, the batch and the epochs",
-    )
     placement: str = option(
         "PACK", "worker placement: PACK fills a node first, SPREAD puts one per node where it can", DDP_PLACEMENTS
     )
@@ -103,8 +93,6 @@ class DDPConfig(RecipeOptions, TrainOptions):
             "freeze_backbone",
             "needs --weights (a pretrained backbone to keep); accepted: with --weights, or --no-freeze-backbone",
         )
-        check(self.model_ema_steps >= 1, "model_ema_steps", f"must be >= 1, got {self.model_ema_steps}")
-        check(0 <= self.model_ema_decay <= 1, "model_ema_decay", f"must be in [0, 1], got {self.model_ema_decay}")
         check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
         check(
             self.loader_workers is None or self.loader_workers >= 0,

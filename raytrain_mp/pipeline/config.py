@@ -146,8 +146,10 @@ class PipelineConfig(RecipeOptions, TrainOptions):
 
     def pipeline_spec(self, lr: float) -> PipelineSpec:
         """The ``PipelineTrainer`` spec of these flags, at learning rate ``lr``."""
+        from raytrain_mp.ema import adjusted_decay
         from raytrain_mp.pipeline.spec import PipelineSpec
 
+        decay = adjusted_decay(self.model_ema_decay, self.model_ema_steps, self.global_batch_size, self.epochs)
         split = self.split_points
         balance = None if split or self.balance == "none" else self.balance
         return PipelineSpec(
@@ -162,6 +164,9 @@ class PipelineConfig(RecipeOptions, TrainOptions):
             weight_decay=self.weight_decay,
             norm_weight_decay=self.norm_weight_decay,
             label_smoothing=self.label_smoothing,
+            ema_decay=decay if self.model_ema else None,
+            ema_steps=self.model_ema_steps,
+            ema_warmup_epochs=self.warmup_epochs,
             use_gpu=self.use_gpu,
             deferred_bn=self.deferred_bn,
             clip_grad_norm=self.clip_grad_norm,

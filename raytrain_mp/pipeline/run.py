@@ -59,11 +59,13 @@ from torch import nn
 from raytrain_mp.bn_momentum import convergence_note
 from raytrain_mp.checkpointing import (
     CHECKPOINT_PREFIX,
+    EMA_FILE,
     MODEL_FILE,
     checkpoint_name,
     checkpoint_order,
     checkpoint_state,
     load_checkpoint,
+    load_ema,
     load_train_state,
     publish_checkpoint,
     resumed_at,
@@ -165,10 +167,12 @@ def save_checkpoint(
 ) -> Location:
     """Checkpoint after ``step`` steps of ``epoch`` (from 0), or after the whole epoch when ``step``
     is 0; ``loss_sum`` is the sum of that epoch's step losses so far."""
+    average = {"ema_averaged": trainer.averaged()} if cfg.model_ema else {}
     train_state = checkpoint_state(
-        epoch, step, loss_sum, optimizer=trainer.optimizer_state_dicts(), split_points=cfg.split_points
+        epoch, step, loss_sum, optimizer=trainer.optimizer_state_dicts(), split_points=cfg.split_points, **average
     )
-    checkpoint = (trainer.state_dict(), train_state, to_yaml(cfg))
+    ema = trainer.state_dict(average=True) if cfg.model_ema else None
+    checkpoint = (trainer.state_dict(), train_state, to_yaml(cfg), ema)
     return publish_checkpoint(run, checkpoint_name(epoch + 1, step), checkpoint, log, cfg.num_to_keep)
 
 
@@ -221,9 +225,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         while True:
             # A rerun of the same name, or a restart after a stage failure, continues from the newest checkpoint.
             resume = resume_point(cfg)
-            position, carried, optimizer_states = (0, 0), 0.0, None
+            position, carried, optimizer_states, ema_state = (0, 0), 0.0, None, None
             if resume is not None:
-                model_state, train_state = load_checkpoint(resume)
+                (model_state, train_state), ema_state = load_checkpoint(resume), load_ema(resume)
                 model.load_state_dict(model_state, strict=True)
                 optimizer_states = train_state["optimizer"]
                 set_rng_states(train_state["rng"])
@@ -245,6 +249,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                     )
                     if optimizer_states is not None:
                         trainer.load_optimizer_state_dicts(optimizer_states)
+                    if cfg.model_ema and ema_state is not None:  # else the average starts anew at the next update
+                        trainer.load_state_dict(ema_state, average=True, averaged=train_state["ema_averaged"])
                     trainer.steps_done = steps_done
                     print_placement(trainer, console)
                     progress = Progress(cfg.epochs, steps_per_epoch, cfg.global_batch_size, steps_done, cfg.log_every)
@@ -328,6 +334,12 @@ def make_trainer(
     return PipelineTrainer.from_spec(model, cfg.pipeline_spec(lr), sample_input=sample, data=data)
 
 
+def averages_evaluation(trainer: PipelineTrainer) -> dict:
+    """``val_loss_ema`` and ``val_accuracy_ema``: the weight average's evaluation, as DDP's loop names it."""
+    evaluation = trainer.evaluate(average=True)
+    return {f"{key}_ema": evaluation[key] for key in ("val_loss", "val_accuracy")}
+
+
 def stage_time_metrics(stats: StepStats, cfg: PipelineConfig) -> dict:
     """Each rank's computing seconds per step (the first replica's), and for the flat schedules the
     bubble those stage times alone would leave (``schedule.bubble_for_stage_times``): the measured
@@ -400,6 +412,7 @@ def train_epochs(
             "epoch": epoch + 1,
             "train_loss": loss_sum / steps_per_epoch,
             **trainer.evaluate(),
+            **(averages_evaluation(trainer) if cfg.model_ema else {}),
             "samples_per_second": (steps_per_epoch - first) * cfg.global_batch_size / elapsed,
             "bubble_fraction": stats.bubble_fraction,
             **stage_time_metrics(stats, cfg),
@@ -432,4 +445,6 @@ def train_epochs(
         "bubble_for_stage_times": metrics.get("bubble_for_stage_times"),
         "checkpoint": checkpoint.uri if checkpoint else None,
         "model": checkpoint.child(MODEL_FILE).uri if checkpoint else None,
+        **({key: metrics.get(key) for key in ("val_accuracy_ema", "val_loss_ema")} if cfg.model_ema else {}),
+        **({"ema": checkpoint.child(EMA_FILE).uri} if checkpoint and cfg.model_ema else {}),
     }

@@ -43,6 +43,9 @@ class PipelineSpec:
     weight_decay: float = 5e-4
     norm_weight_decay: float = 0.0
     label_smoothing: float = 0.0
+    ema_decay: float | None = None
+    ema_steps: int = 1
+    ema_warmup_epochs: float = 0.0
     use_gpu: bool | None = None
     deferred_bn: bool = False
     clip_grad_norm: float | None = None
@@ -72,6 +75,10 @@ class PipelineSpec:
         layout = schedule_entry(self.schedule).layout
         check_schedule(self.schedule, self.num_stages, self.virtual_stages, self.num_microbatches, layout)
         check_optimizer(self.optimizer, self.lr, self.momentum, self.weight_decay, self.norm_weight_decay)
+        if self.ema_decay is not None and not 0 <= self.ema_decay <= 1:
+            raise OptionError("ema_decay", f"must be in [0, 1] (or None: no weight average), got {self.ema_decay}")
+        if self.ema_steps < 1:
+            raise OptionError("ema_steps", f"must be >= 1, got {self.ema_steps}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise OptionError("clip_grad_norm", f"must be > 0, got {self.clip_grad_norm}")
         if self.cpus_per_stage < 1 or int(self.cpus_per_stage) != self.cpus_per_stage:
@@ -103,6 +110,9 @@ _STAGE_FIELDS = (
     "weight_decay",
     "norm_weight_decay",
     "label_smoothing",
+    "ema_decay",
+    "ema_steps",
+    "ema_warmup_epochs",
     "deferred_bn",
     "autocast_bf16",
     "memory_format",

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -85,10 +85,11 @@ from raytrain_mp.pipeline.replicas import pipeline_ranks, stage_ranks
 from raytrain_mp.pipeline.schedule import Schedule
 from raytrain_mp.pipeline.shaped_p2p import recv_shaped, send_shaped
 from raytrain_mp.pipeline.stage_config import StageConfig, check_optimizer, configure_device
+from raytrain_mp.pipeline.stage_state import StageState
 from raytrain_mp.pipeline.timed_stage import Autocast, TimedStage
 
 
-class StageWorker:
+class StageWorker(StageState):
     """The state and steps of one rank (wrap with ``ray.remote`` to make it an actor)."""
 
     def __init__(self, modules: Sequence[nn.Module], config: StageConfig) -> None:
@@ -101,6 +102,7 @@ class StageWorker:
         if config.deferred_bn:
             modules = [convert_deferred_batchnorm(module) for module in modules]
         self.modules = [module.to(self.device).train() for module in modules]
+        self._build_averages()  # --model-ema: an average of each stage (``stage_state``)
         # What runs a stage's forward, here and in torch's runtime: the module in its layout, under
         # autocast as configured (the state dicts stay those of self.modules). Under "auto" a stage
         # is contiguous until its first step measures it (_build_schedule).
@@ -373,6 +375,8 @@ class StageWorker:
                 x = from_wire(inputs[i]) if inputs is not None else None
                 y = from_wire(targets[i]) if targets is not None else None
             results.append(self.train_step(schedule, num_microbatches, microbatch_shape, x, y, max_norm, lr))
+            if positions is not None:
+                self._update_averages(*positions[i])
         return results
 
     def _clip(self, max_norm: float) -> None:
@@ -395,56 +399,23 @@ class StageWorker:
         outputs, _ = self._forward_chain(chunks)
         return torch.cat(outputs) if self.holds_last else None
 
-    def evaluate(self, chunks: Sequence[int]) -> tuple[float, int, int] | None:
+    def evaluate(self, chunks: Sequence[int], average: bool = False) -> tuple[float, int, int] | None:
         """Eval forward of the val split, read by the first and last rank themselves (``feed``),
-        each batch in ``chunks[b]`` micro-batches. On the last rank (loss sum in float64, correct,
-        count), as the driver's evaluation sums them; None elsewhere."""
+        each batch in ``chunks[b]`` micro-batches, with the stages' weights or (``average``) their
+        averages'. On the last rank (loss sum in float64, correct, count), as the driver's
+        evaluation sums them; None elsewhere."""
         batches = self._feed.val_batches() if self._feed is not None else ((None, None) for _ in chunks)
         loss_sum, correct, count = 0.0, 0, 0
-        for (x, y), num_chunks in zip(batches, chunks, strict=True):
-            outputs, _ = self._forward_chain(x.tensor_split(num_chunks) if self.holds_first else num_chunks)
-            if self.holds_last:
-                logits = torch.cat(outputs)
-                loss_sum += F.cross_entropy(logits.double(), y, reduction="sum").item()
-                correct += int((logits.argmax(dim=1) == y).sum())
-                count += len(y)
+        with self._averaged_weights(average):
+            for (x, y), num_chunks in zip(batches, chunks, strict=True):
+                outputs, _ = self._forward_chain(x.tensor_split(num_chunks) if self.holds_first else num_chunks)
+                if self.holds_last:
+                    logits = torch.cat(outputs)
+                    loss_sum += F.cross_entropy(logits.double(), y, reduction="sum").item()
+                    correct += int((logits.argmax(dim=1) == y).sum())
+                    count += len(y)
         return (loss_sum, correct, count) if self.holds_last else None
 
     def reads(self) -> int:
         """Samples this rank has read from the data set (``StageFeed.reads``; 0 without one)."""
         return self._feed.reads if self._feed is not None else 0
-
-    # -- state ---------------------------------------------------------------------------------------
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def state_dict(self) -> dict[str, Tensor]:
-        # contiguous: a checkpoint holds plain tensors whatever layout the rank computes in
-        return {
-            key: value.detach().cpu().contiguous()
-            for module in self.modules
-            for key, value in module.state_dict().items()
-        }
-
-    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
-        for module in self.modules:
-            module.load_state_dict({key: state[key] for key in module.state_dict()}, strict=True)
-
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        return _to_cpu(self.optimizer.state_dict())
-
-    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
-        # Optimizer.load_state_dict moves the state onto each parameter's device itself.
-        self.optimizer.load_state_dict(state)
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {key: _to_cpu(value) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(value) for value in obj]
-    return obj

@@ -39,6 +39,9 @@ class StageConfig:
     weight_decay: float = 0.0
     norm_weight_decay: float = 0.0
     label_smoothing: float = 0.0  # of the last stage's loss (``F.cross_entropy``'s)
+    ema_decay: float | None = None  # --model-ema: the decay of each update (``ema.adjusted_decay``); None: no average
+    ema_steps: int = 1  # the average is updated after every this-many-th step of an epoch
+    ema_warmup_epochs: float = 0.0  # and restarts after each update during these epochs
     use_gpu: bool = False
     num_cpus: int = 1
     deferred_bn: bool = False

@@ -134,6 +134,9 @@ class PipelineTrainer:
         weight_decay: float = 5e-4,
         norm_weight_decay: float = 0.0,
         label_smoothing: float = 0.0,
+        ema_decay: float | None = None,
+        ema_steps: int = 1,
+        ema_warmup_epochs: float = 0.0,
         use_gpu: bool | None = None,
         deferred_bn: bool = False,
         clip_grad_norm: float | None = None,
@@ -171,6 +174,8 @@ class PipelineTrainer:
         self.layout = schedule_entry(spec.schedule).layout
         self.schedule, self.num_microbatches = spec.schedule, spec.num_microbatches
         self.num_replicas, self.data = spec.num_replicas, data
+        if spec.ema_decay is not None and data is None:
+            raise UsageError("ema_decay: the average is updated at data set positions (train_data_steps); needs data")
         if data is not None:
             meta = read_meta(data.root)
             data.check(meta)
@@ -350,16 +355,16 @@ class PipelineTrainer:
         ]
         return self._stages.gather(refs, step=None, phase="in predict")[-1]
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, average: bool = False) -> dict[str, float]:
         """Eval-mode loss and accuracy over the val split of ``data``, every sample once, in batches
         of ``data.val_batch``: replica 0's first stage reads the images and its last stage the
-        labels (``feed``); the driver gets three numbers."""
+        labels (``feed``); the driver gets three numbers. ``average``: of the weight average."""
         if self.data is None:
             raise UsageError(
                 "data: evaluate reads the data set given as data=StageData(...); this trainer has none (use predict)"
             )
         chunks = val_chunks(self._val_count, self.data.val_batch, self.num_microbatches)
-        refs = [(rank, self.actor(rank).evaluate.remote(chunks)) for rank in range(self.num_stages)]
+        refs = [(rank, self.actor(rank).evaluate.remote(chunks, average)) for rank in range(self.num_stages)]
         loss_sum, correct, count = self._stages.gather(refs, step=None, phase="in evaluation")[-1]
         return {"val_loss": loss_sum / count, "val_accuracy": correct / count, "val_count": count}
 
@@ -383,22 +388,28 @@ class PipelineTrainer:
         """Set every stage's learning rate (for per-step schedules)."""
         self._stages.call_all("set_lr", lr)
 
-    def state_dict(self, replica: int = 0) -> dict[str, Tensor]:
+    def state_dict(self, replica: int = 0, average: bool = False) -> dict[str, Tensor]:
         """The full model's state dict as ``replica`` holds it (all replicas hold the same), on the
-        CPU, with the original model's keys."""
-        parts = self._stages.replica_calls(replica, "state_dict", phase="while gathering the model state")
+        CPU, with the original model's keys; ``average``: the weight average's (``ema_decay``)."""
+        parts = [(average,)] * self.num_stages
+        parts = self._stages.replica_calls(replica, "state_dict", parts, phase="while gathering the model state")
         merged = {key: value for part in parts for key, value in part.items()}
         return {key: merged[key] for key in self._model_keys}
 
-    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
-        """Load a full model state dict (``strict=True`` semantics) into the stages."""
+    def averaged(self) -> int:
+        """Updates of the weight average since it last restarted (a checkpoint keeps it beside ``ema.pt``)."""
+        return self._stages.replica_calls(0, "averaged", phase="while gathering the model state")[0]
+
+    def load_state_dict(self, state: Mapping[str, Tensor], average: bool = False, averaged: int = 0) -> None:
+        """Load a full model state dict (``strict=True`` semantics) into the stages; ``average``: into
+        their weight averages, which continue from ``averaged`` updates."""
         expected = set(self._model_keys)
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
             raise UsageError(
                 f"state dict does not fit the pipeline's model: missing {missing[:3]}, unexpected {unexpected[:3]}"
             )
-        parts = [(({key: state[key] for key in keys}),) for keys in self._stage_keys]
+        parts = [({key: state[key] for key in keys}, average, averaged) for keys in self._stage_keys]
         for replica in range(self.num_replicas):
             self._stages.replica_calls(replica, "load_state_dict", parts, phase="while loading the model state")
 

@@ -221,3 +221,34 @@ def test_cluster_too_small(ray_session, tmp_path, capsys):
     )
     assert_usage_error(res, "--precision: fp16 needs CUDA")  # too few GPUs for each worker: the default picked CPUs
     assert not runs.exists()
+
+
+def test_every_recipe_file_is_a_valid_config_and_the_v2_recipe_carries_the_references_values():
+    from pathlib import Path
+
+    from raytrain_mp.config import build_config
+    from raytrain_mp.ddp.config import DDPConfig
+
+    files = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+    assert [f.name for f in files] == ["resnet50-finetune.yaml", "resnet50-imagenet-v2.yaml"]
+    configs = {f.name: build_config(DDPConfig, {"config": str(f)}) for f in files}
+    v2 = configs["resnet50-imagenet-v2.yaml"]
+    # references/classification: 8 x 128 at lr 0.5, so 0.125 at 256 under the linear rule
+    assert (v2.global_batch_size, v2.base_lr * v2.global_batch_size / v2.base_batch) == (1024, 0.5)
+    assert (v2.epochs, v2.warmup_epochs, v2.lr_decay, v2.weight_decay, v2.norm_weight_decay) == (
+        600,
+        5,
+        "cosine",
+        2e-5,
+        0.0,
+    )
+    assert (v2.auto_augment, v2.random_erase, v2.label_smoothing, v2.mixup_alpha, v2.cutmix_alpha) == (
+        "ta_wide",
+        0.1,
+        0.1,
+        0.2,
+        1.0,
+    )
+    assert (v2.model_ema, v2.model_ema_steps, v2.model_ema_decay) == (True, 32, 0.99998)
+    finetune = configs["resnet50-finetune.yaml"]
+    assert (finetune.weights, finetune.backbone_lr_scale) == ("IMAGENET1K_V2", 0.1)

@@ -4,8 +4,9 @@ batch itself, the last stage its labels, and the driver's calls carry positions,
 Pure rules first (shares, checkpoint segments and order), then ``PipelineTrainer(data=...)`` on
 real stage actors against single-process gradient accumulation over the same samples, in float64,
 for every schedule, with augmentation, loader processes and replicas; with one stage per rank (1
-and 2 replicas) also with every option of torchvision's recipe that acts on samples and the loss
-(auto-augment, random erasing, mixup/cutmix, label smoothing).
+and 2 replicas) also with every option of torchvision's recipe (auto-augment, random erasing,
+mixup/cutmix, label smoothing, and a weight average of each stage, against ``ema.ModelEMA`` over
+the single-process model).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from raytrain_mp.checkpointing import checkpoint_name, checkpoint_order
 from raytrain_mp.data import ParquetImageDataset
 from raytrain_mp.data.recipe_draws import Recipe, step_mix
+from raytrain_mp.ema import ModelEMA
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline import PipelineTrainer
 from raytrain_mp.pipeline.feed import ShareSampler, StageData, epoch_batches, val_batch_sizes, val_chunks
@@ -32,6 +34,7 @@ BATCH, SEED = 16, 7
 LRS = [0.05, 0.03, 0.02]
 RECIPE = Recipe(auto_augment="ta_wide", random_erase=0.25, mixup_alpha=0.2, cutmix_alpha=1.0)
 SMOOTHING = 0.1
+EMA_DECAY = 0.8  # an update every step: after 3 steps the average is far from both the start and the model
 
 
 # -- pure ------------------------------------------------------------------------------------------
@@ -111,11 +114,15 @@ def _model() -> nn.Module:
     return nn.Sequential(block(1, 6), block(6, 8), block(8, 8), head).double()
 
 
-def _reference(root: str, steps: int, parts: int, recipe: Recipe, smoothing: float) -> tuple[list[float], nn.Module]:
+def _reference(
+    root: str, steps: int, parts: int, recipe: Recipe, smoothing: float
+) -> tuple[list[float], nn.Module, ModelEMA]:
     """Single-process gradient accumulation over the samples of epoch 0's first ``steps`` global
     batches, read and augmented on the driver, in ``parts`` micro-batches each; mixed, where the
-    ``recipe`` mixes, with each sample's partner by the step's draw."""
+    ``recipe`` mixes, with each sample's partner by the step's draw; the model's average, updated
+    after every step."""
     model = _model()
+    average = ModelEMA(model, EMA_DECAY, 1, 0)
     optimizer = torch.optim.SGD(model.parameters(), lr=LRS[0], momentum=0.9)
     train = ParquetImageDataset(root, "train", augment=True, seed=SEED, recipe=recipe)
     losses = []
@@ -131,7 +138,8 @@ def _reference(root: str, steps: int, parts: int, recipe: Recipe, smoothing: flo
         for group in optimizer.param_groups:
             group["lr"] = lr
         losses.append(_accumulate(model, optimizer, x, y, parts, label_smoothing=smoothing))
-    return losses, model
+        average.after_step(model, 0, step)
+    return losses, model, average
 
 
 def _evaluate(model: nn.Module, root: str) -> dict:
@@ -192,6 +200,7 @@ def trainer_for(images: str, ray_session: object) -> Iterator:
                 momentum=0.9,
                 weight_decay=0.0,
                 label_smoothing=SMOOTHING if recipe.mixing else 0.0,
+                ema_decay=EMA_DECAY if recipe.mixing else None,
                 use_gpu=False,
                 memory_format="contiguous",
                 data=data,
@@ -199,6 +208,8 @@ def trainer_for(images: str, ray_session: object) -> Iterator:
             made[virtual, replicas] = trainer, trainer.state_dict(), trainer.optimizer_state_dicts()
         trainer, state, optimizer_states = made[virtual, replicas]
         trainer.load_state_dict(state)
+        if virtual == 1:  # the average restarts: its next update copies the model
+            trainer.load_state_dict(state, average=True, averaged=0)
         trainer.load_optimizer_state_dicts(optimizer_states)
         trainer.set_schedule(schedule)
         return trainer
@@ -227,24 +238,37 @@ def test_stages_read_their_batches_and_equal_gradient_accumulation(
     try:
         losses = list(trainer.train_data_steps([(0, step, lr) for step, lr in enumerate(LRS)], steps_per_call=2))
         evaluation = trainer.evaluate()
+        averaged = trainer.evaluate(average=True) if virtual == 1 else None
     finally:
         stages.actors = actors
     recipe = RECIPE if virtual == 1 else Recipe()
-    want_losses, want_model = _reference(images, len(LRS), 4, recipe, SMOOTHING if recipe.mixing else 0.0)
+    want_losses, want_model, want_average = _reference(images, len(LRS), 4, recipe, SMOOTHING if recipe.mixing else 0.0)
     assert losses == pytest.approx(want_losses, rel=1e-10)
     _assert_state_close(trainer.state_dict(), want_model.state_dict(), 1e-10)
-    want_eval = _evaluate(want_model, images)
-    assert evaluation["val_count"] == 40
-    assert evaluation["val_loss"] == pytest.approx(want_eval["val_loss"], rel=1e-10)
-    assert evaluation["val_accuracy"] == want_eval["val_accuracy"]
-    # What the driver sent: 2 calls x every actor, then an evaluation call per rank of replica 0.
-    assert [name for name, _ in sizes] == ["train_steps"] * 2 * 2 * replicas + ["evaluate"] * 2
+    for name, (got, model) in {"model": (evaluation, want_model), "average": (averaged, want_average.module)}.items():
+        if got is None:
+            continue
+        want_eval = _evaluate(model, images)
+        assert got["val_count"] == 40
+        assert got["val_loss"] == pytest.approx(want_eval["val_loss"], rel=1e-10), name
+        assert got["val_accuracy"] == want_eval["val_accuracy"], name
+    if virtual == 1:  # each stage's average, merged as the model is; it lags the model
+        for replica in range(replicas):
+            _assert_state_close(trainer.state_dict(replica, average=True), want_average.module.state_dict(), 1e-10)
+        assert trainer.averaged() == 3
+        gap = max((a - b).abs().max().item() for a, b in zip(want_average.module.parameters(), want_model.parameters()))
+        assert gap > 1e-4
+    # What the driver sent: 2 calls x every actor, then an evaluation call per rank of replica 0 (two
+    # with the average).
+    evaluations = 2 * (1 + (virtual == 1))
+    assert [name for name, _ in sizes] == ["train_steps"] * 2 * 2 * replicas + ["evaluate"] * evaluations
     assert max(size for _, size in sizes) < 2048, sizes
     # Who read: every first stage its share of 3 steps (and each sample's partner, mixing) and
-    # the val split on replica 0; every last stage the same number of labels.
+    # the val split on replica 0 (twice with the average); every last stage the same number of labels.
     reads = [after - before for before, after in zip(reads_before, trainer.reads())]
     share = BATCH // replicas * (1 + recipe.mixing)
-    assert reads == [3 * share + 40 * (replica == 0) for replica in range(replicas) for _ in range(2)]
+    val_reads = 40 * (1 + (virtual == 1))  # the average's evaluation reads the val split again
+    assert reads == [3 * share + val_reads * (replica == 0) for replica in range(replicas) for _ in range(2)]
 
 
 def test_data_form_checks_before_any_actor(images: str) -> None:
