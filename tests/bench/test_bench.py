@@ -521,7 +521,7 @@ def test_bench_bad_input(capsys, tmp_path):
     assert_usage_error(run_cli(capsys, "bench", "data", "--out", out, "--repeats", "0"), "--repeats: must be >= 1")
     assert_usage_error(
         run_cli(capsys, "bench", "data", "--out", out, "--auto-augment", "rand"),
-        "--auto-augment: unknown value 'rand'; accepted: ra, ta_wide, augmix, imagenet, cifar10, svhn",
+        "argument --auto-augment: invalid choice: 'rand' (choose from 'ra', 'ta_wide', 'augmix', 'imagenet',",
     )
     assert_usage_error(
         run_cli(capsys, "bench", "data", "--out", out, "--cases", "raw_32,jpeg"), "--cases: unknown case(s) ['jpeg']"
