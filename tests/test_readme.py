@@ -39,6 +39,7 @@ DOCS = [README] + [
         "ddp",
         "pipeline",
         "tune",
+        "recipes",
         "inference",
         "runs",
         "storage",
@@ -120,6 +121,11 @@ NOT_HERE = {
         "--global-batch-size 8 --epochs 1 --name finetune",
         "raytrain-mp predict --checkpoint ~/ray_results/finetune ~/photos/cat/0.jpg --top-k 2",
     )},
+    "raytrain-mp ddp --config configs/resnet50-imagenet-v2.yaml --data YOUR_IMAGENET --num-workers 8":
+        "ImageNet, 600 epochs of ResNet-50 on 8 GPUs; tests/ddp/test_ddp_config.py builds every configs/ file and "
+        "checks the recipe's values",
+    "python scripts/recipe_study.py --out docs/bench/recipe":
+        "20 minutes on 2 cores; its figures are committed in docs/bench/recipe and quoted in docs/recipes.md",
     "raytrain-mp tune --resume ~/ray_results/lr-sweep":
         "it starts Ray and restores the sweep for half a minute; tests/tune/test_tune_s3.py resumes a finished sweep "
         "(it reports again: its trials, best.yaml) and tests/tune/test_tune_sweep.py finishes an interrupted one",
