@@ -2,7 +2,10 @@
 without its weight average, over seeds, on a data set small enough for augmentation to matter.
 
 Data: the built-in digits with its training split cut to ``--train`` samples (the full validation
-split, 359 samples). Arms, each a ``raytrain-mp ddp`` run per seed on one local Ray, 1 worker:
+split, 359 samples), made photos' size and range: upsampled to ``--image-size`` (bilinear) and
+scaled from their 0..16 to 0..255, the range the auto-augment policies' photometric ops
+(solarize, posterize, equalize) assume; on the stored 0..16 they make images 15 times brighter than
+any the model validates on. Arms, each a ``raytrain-mp ddp`` run per seed on one local Ray, 1 worker:
 
 - ``plain``: ``--augment`` (pad-crop and flip), what a run had before the recipe;
 - ``recipe``: the same plus ``RECIPE`` (torchvision's reference options: TrivialAugment, random
@@ -28,16 +31,34 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from raytrain_mp.cli import main as cli_main  # noqa: E402
-
-from helpers import write_digits_cut  # noqa: E402  (tests/helpers.py: the digits cut the suite trains on)
+from raytrain_mp.cli import main as cli_main
 
 RECIPE = [
     "--auto-augment", "ta_wide", "--random-erase", "0.1", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
     "--label-smoothing", "0.1",
 ]  # fmt: skip
 EMA = ["--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.99"]
+
+
+def write_digits_as_photos(out: Path, train: int, size: int) -> str:
+    """The digits, their training split cut to ``train`` samples, as ``size`` x ``size`` images in 0..255."""
+    import dataclasses
+
+    import torch
+
+    from raytrain_mp.data.prepare import write_dataset
+    from raytrain_mp.data.sources import RawSplit, load_digits_source
+
+    raw = load_digits_source()
+
+    def as_photos(split: RawSplit, n: int) -> RawSplit:
+        pixels = torch.from_numpy(split.images[:n]).permute(0, 3, 1, 2).float() * (255 / 16)
+        pixels = torch.nn.functional.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False)
+        images = pixels.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        return RawSplit(images, split.labels[:n], split.ids[:n])
+
+    write_dataset(dataclasses.replace(raw, train=as_photos(raw.train, train), val=as_photos(raw.val, None)), out)
+    return str(out)
 
 
 def run(data: str, storage: str, name: str, seed: int, epochs: int, *extra: str) -> dict:
@@ -86,6 +107,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for study.json and study.png")
     parser.add_argument("--train", type=int, default=300, help="training samples of the digits cut")
+    parser.add_argument("--image-size", type=int, default=16, help="side the digits are upsampled to")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args()
@@ -96,7 +118,7 @@ def main() -> int:
     started = time.monotonic()
     runs: dict[str, dict[int, dict]] = {"plain": {}, "recipe": {}}
     with tempfile.TemporaryDirectory(prefix="recipe-study-") as scratch:
-        data = write_digits_cut(Path(scratch) / "digits", args.train, 359)
+        data = write_digits_as_photos(Path(scratch) / "digits", args.train, args.image_size)
         storage = str(Path(scratch) / "runs")
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         try:
@@ -112,7 +134,8 @@ def main() -> int:
         "recipe+ema": [r["val_accuracy_ema"] for r in runs["recipe"].values()],
     }
     report = {
-        "data": f"digits, {args.train} training samples, 359 validation samples (8x8 grey)",
+        "data": f"digits as {args.image_size}x{args.image_size} grey photos in 0..255: {args.train} training and "
+        "359 validation samples",
         "settings": {"epochs": args.epochs, "seeds": args.seeds, "recipe": RECIPE, "ema": EMA},
         "runs": {arm: {str(seed): result for seed, result in by_seed.items()} for arm, by_seed in runs.items()},
         "arms": {arm: {"values": values, **figures(values)} for arm, values in arms.items()},
@@ -120,7 +143,10 @@ def main() -> int:
         "seconds": round(time.monotonic() - started),
     }
     (out / "study.json").write_text(json.dumps(report, indent=2) + "\n")
-    title = f"ResNet-18 on digits ({args.train} training samples), {args.epochs} epochs, {args.seeds} seeds"
+    title = (
+        f"ResNet-18 on digits as {args.image_size}x{args.image_size} photos ({args.train} training samples), "
+        f"{args.epochs} epochs, {args.seeds} seeds"
+    )
     plot(out / "study.png", arms, title)
     for arm, stats in report["arms"].items():
         spread = f"+- {stats['std']:.4f} (min {stats['min']:.4f}, max {stats['max']:.4f})"

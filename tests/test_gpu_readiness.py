@@ -38,12 +38,13 @@ COUNTED_FROM_THE_SESSION = [
     "tests/tune/test_tune_sweep.py::test_trials_larger_than_the_cluster",
     GPU_TEST,
 ]
-# Those, and CPU tests that each resolve a device against the cluster.
+# Those, and CPU tests that each resolve a device against the cluster. (Not the benches' smokes:
+# a bench takes its device from --use-gpu and this machine's CUDA devices, never from the cluster,
+# bench_use_gpu; the test that it refuses GPUs that are not there runs here.)
 ON_A_FAKE_GPU_CLUSTER = [
     *COUNTED_FROM_THE_SESSION,
     "tests/pipeline/test_pipeline_trainer.py::test_a_killed_stage_is_named",
     "tests/bench/test_bench.py::test_bench_refuses_gpus_that_are_not_there",
-    "tests/bench/test_bench.py::test_bench_ddp_smoke",
 ]
 
 
@@ -55,7 +56,7 @@ def test_the_session_ray_advertises_the_gpus_it_is_given(ray_session) -> None:
     assert (resources.get("GPU", 0), resources["CPU"]) == (want, session_cpus())
 
 
-@pytest.mark.slow  # a child pytest session with its own Ray; with 1 GPU also a pipeline and a Ray Train fit
+@pytest.mark.slow  # a child pytest session with its own Ray; with 1 GPU also a pipeline
 @pytest.mark.skipif(bool(os.environ.get("RAYTRAIN_MP_TEST_RAY_GPUS")), reason="already inside the fake-GPU session")
 @pytest.mark.parametrize(
     ("gpus", "tests"), [(1, ON_A_FAKE_GPU_CLUSTER), (4, COUNTED_FROM_THE_SESSION)], ids=["1-gpu", "4-gpus"]
