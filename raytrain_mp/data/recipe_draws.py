@@ -116,6 +116,12 @@ def partner(seed: int, epoch: int, index: int, count: int) -> int:
     return (index + 1 + int(np.random.default_rng([seed, epoch, index, PARTNER]).integers(count - 1))) % count
 
 
+def pair_inputs(to_input: Callable, images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Model inputs (N, 2, C, H, W) of a loader's (sample, partner) items, ``images`` (N, 2, C, H, W)
+    and ``params`` (N, 2, P), through the batch transform ``to_input`` (``dataset.BatchTransform``)."""
+    return to_input(images.flatten(0, 1), params.flatten(0, 1)).unflatten(0, (len(images), 2))
+
+
 @dataclass(frozen=True)
 class Mix:
     """One global step's mixing: ``lam`` of each sample and ``1 - lam`` of its partner, over the

@@ -64,7 +64,7 @@ from raytrain_mp.checkpointing import (
 from raytrain_mp.config import to_yaml
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.data.loader import EpochKeys, make_loader
-from raytrain_mp.data.recipe_draws import step_mix
+from raytrain_mp.data.recipe_draws import pair_inputs, step_mix
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate, global_count
 from raytrain_mp.ddp.elastic import items_to_skip
@@ -299,7 +299,7 @@ def mixed(micro: list, data: Data, cfg: DDPConfig, epoch: int, global_step: int)
     draw of the step (``recipe_draws.step_mix``) for all of them, on every rank."""
     out, mix = [], None
     for images, y, params in micro:  # images (N, 2, C, H, W): each sample, then its partner
-        x = data.to_input(images.flatten(0, 1), params.flatten(0, 1)).unflatten(0, (len(y), 2))
+        x = pair_inputs(data.to_input, images, params)
         if mix is None:
             mix = step_mix(cfg.mixup_alpha, cfg.cutmix_alpha, tuple(x.shape[-2:]), cfg.seed, epoch, global_step)
         out.append((mix.images(x[:, 0], x[:, 1]), mix.targets(y[:, 0], y[:, 1], data.num_classes, x.dtype), None))

@@ -41,7 +41,7 @@ from torch.utils.data import Sampler, SequentialSampler
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.format import DatasetMeta
 from raytrain_mp.data.loader import EpochKeys, make_loader
-from raytrain_mp.data.recipe_draws import Mix, Recipe, partner, step_mix
+from raytrain_mp.data.recipe_draws import Mix, Recipe, pair_inputs, partner, step_mix
 from raytrain_mp.errors import UsageError
 from raytrain_mp.preprocessing import input_hw
 
@@ -169,7 +169,7 @@ class StageFeed:
             images, _, params = next(self._batches)
             self._next = (epoch, step + 1)
             if self.data.recipe.mixing:  # images (N, 2, C, H, W): each sample, then its partner
-                x = self._to_input(images.flatten(0, 1), params.flatten(0, 1)).unflatten(0, (len(images), 2))
+                x = pair_inputs(self._to_input, images, params)
                 inputs = self._mix(epoch, step).images(x[:, 0], x[:, 1])
             else:
                 inputs = self._to_input(images, params)

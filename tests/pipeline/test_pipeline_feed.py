@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from raytrain_mp.checkpointing import checkpoint_name, checkpoint_order
 from raytrain_mp.data import ParquetImageDataset
-from raytrain_mp.data.recipe_draws import Recipe, step_mix
+from raytrain_mp.data.recipe_draws import Recipe, pair_inputs, step_mix
 from raytrain_mp.ema import ModelEMA
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline import PipelineTrainer
@@ -129,8 +130,8 @@ def _reference(
     for step, (indices, lr) in enumerate(zip(epoch_batches(len(train), BATCH, SEED, 0)[:steps], LRS)):
         images, y, params = train.batch((0, int(i)) for i in indices)
         if recipe.mixing:  # (sample, partner) pairs
-            pairs = train.transform(images.flatten(0, 1), params.flatten(0, 1), torch.device("cpu"), torch.float64)
-            x = pairs.unflatten(0, (len(y), 2))
+            to_input = partial(train.transform, device=torch.device("cpu"), dtype=torch.float64)
+            x = pair_inputs(to_input, images, params)
             mix = step_mix(recipe.mixup_alpha, recipe.cutmix_alpha, tuple(x.shape[-2:]), SEED, 0, step)
             x, y = mix.images(x[:, 0], x[:, 1]), mix.targets(y[:, 0], y[:, 1], 4, torch.float64)
         else:
