@@ -29,6 +29,7 @@ from raytrain_mp.models import build_model, check_model
 from raytrain_mp.preprocessing import input_size
 from raytrain_mp.pretrained import resolve
 from raytrain_mp.readable import number
+from raytrain_mp.views import Views
 
 
 def run_dtype(precision: str) -> torch.dtype:
@@ -38,9 +39,10 @@ def run_dtype(precision: str) -> torch.dtype:
 
 
 def run_input_size(cfg: Any, meta: Any) -> int:
-    """The side of the run's model input: the data set's image size, or the crop of pretrained
-    weights' preprocessing (``preprocessing.input_size``)."""
-    return input_size(cfg.preprocess, meta.image_size)
+    """The side of the run's model input in training: the data set's image size or the run's
+    training view (``views``), or the crop of pretrained weights' preprocessing
+    (``preprocessing.input_size``)."""
+    return input_size(cfg.preprocess, Views.of(meta, cfg).training_size(cfg.augment))
 
 
 def build_run_model(cfg: Any, meta: Any) -> nn.Module:

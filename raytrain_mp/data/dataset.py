@@ -17,8 +17,8 @@ Invariants:
   yields), so loader processes that outlive an epoch need no ``set_epoch`` of their own.
 - Raw images (``meta.encoded`` false) are stored at their training size: augmentation is a crop
   of the zero-padded image and a flip. Encoded images are decoded here (in the loader process)
-  to the training size by ``data.encoded``: RandomResizedCrop for training, Resize + CenterCrop
-  for evaluation; their flip is left to ``transform``.
+  to the run's ``views`` (``views``) by ``data.encoded``: RandomResizedCrop for training
+  (``augment``), Resize + CenterCrop otherwise; their flip is left to ``transform``.
 - The pyarrow table is opened lazily and dropped on pickling, so the object ships cheaply to
   Ray workers and DataLoader worker processes.
 """
@@ -42,6 +42,7 @@ from raytrain_mp.data.transforms import BatchTransform
 from raytrain_mp.errors import UsageError
 from raytrain_mp.preprocessing import input_hw
 from raytrain_mp.storage import locate
+from raytrain_mp.views import Views
 
 
 def _read_shard(fs, path: str, display: str) -> pa.Table:
@@ -71,6 +72,7 @@ class ParquetImageDataset(Dataset):
         meta: DatasetMeta | None = None,
         preprocess: str | None = None,
         recipe: Recipe | None = None,
+        views: Views | None = None,
     ) -> None:
         self.root = str(root)
         self.recipe = recipe or Recipe()
@@ -81,6 +83,7 @@ class ParquetImageDataset(Dataset):
         self.seed = seed
         self.epoch = 0
         self.meta = meta or read_meta(self.root)
+        self.views = views or Views.of(self.meta)
         if split not in self.meta.shards:
             raise UsageError(f"--data: {self.root} has no {split!r} split; it has {sorted(self.meta.shards)}")
         self._table: pa.Table | None = None
@@ -164,28 +167,32 @@ class ParquetImageDataset(Dataset):
         return torch.stack([own[0], mate[0]]), torch.tensor([own[1], mate[1]]), torch.stack([own[2], mate[2]])
 
     def sample(self, epoch: int, index: int) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """Sample ``index`` as ``epoch`` draws it: (uint8 image, label, params)."""
+        """Sample ``index`` as ``epoch`` draws it: (uint8 image, label, params). An ``index`` of n or
+        more is a repeated augmentation's slot (``data.repeated``): sample ``index % n``, its draws
+        keyed by the slot."""
+        slot, index = index, index % len(self)
         label = int(self._labels[index])
         crop = torch.zeros(3, dtype=torch.int64)
         if self.meta.encoded:
-            size = self.meta.image_shape[0]
+            views = self.views
             if self.augment:
-                image, flip = train_view(self.stored(index), size, self.seed, epoch, index)
+                size = views.train_hw[0]
+                image, flip = train_view(self.stored(index), size, self.seed, epoch, slot, views.interpolation)
                 crop[2] = flip
             else:
-                image = val_view(self.stored(index), size)
+                image = val_view(self.stored(index), views.val_resize, views.val_hw[0], views.interpolation)
         else:
             # A copy: arrow's buffer is read-only, and the collated batch wants its own memory anyway.
             image = torch.from_numpy(self.raw_image(index).transpose(2, 0, 1).copy())
             if self.augment:
                 h, w, _ = self.meta.image_shape
-                crop = torch.tensor(pad_crop(self.seed, epoch, index, h, w))
+                crop = torch.tensor(pad_crop(self.seed, epoch, slot, h, w))
         if self._policy is not None:
-            image = augmented(self._policy, image, self.seed, epoch, index)
+            image = augmented(self._policy, image, self.seed, epoch, slot)
         box = (0, 0, 0, 0)
         if self.recipe.random_erase:  # drawn on the model's input: the image, or the preprocessing's crop
             shape = (image.shape[0], *input_hw(self.preprocess, *image.shape[1:]))
-            box = erase_box(self.recipe.random_erase, shape, self.seed, epoch, index)
+            box = erase_box(self.recipe.random_erase, shape, self.seed, epoch, slot)
         return image, label, torch.cat([crop, torch.tensor(box)])
 
     def batch(self, keys: Iterable[int | tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

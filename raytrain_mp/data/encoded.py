@@ -4,10 +4,10 @@ Job: the two ends of ``data prepare imagefolder:PATH --encoded``. At prepare, ``
 every file whole, so that a file that is not a JPEG or PNG, or is truncated, is named before
 anything is written. In the loader processes, ``train_view`` and ``val_view`` decode one image
 (``decode``) and cut the ImageNet recipe's view of it as uint8 (3, S, S): RandomResizedCrop(S) for
-training (its horizontal flip is left to ``data.transforms`` on the device), Resize(S * 8/7) +
-CenterCrop(S) for evaluation (224 from 256, as the recipe has it).
+training (its horizontal flip is left to ``data.transforms`` on the device), Resize(R) +
+CenterCrop(S) for evaluation (``views`` says which S, R and interpolation a run has).
 
-Invariants: a view is a function of (bytes, S, seed, epoch, index) only (the crop comes from
+Invariants: a view is a function of (bytes, its sizes, interpolation, seed, epoch, index) only (the crop comes from
 ``data.augment.resized_crop``); the checks use PIL because libjpeg, behind ``decode_image``, only
 warns on a truncated JPEG and fills the rest grey, where PIL's full load raises. Whatever a file's
 mode (16-bit, palette, CMYK, alpha, bilevel), the pixels of ``check_file`` (which the data set's
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
 from raytrain_mp.data.augment import resized_crop
@@ -37,7 +38,6 @@ FORMATS = ("JPEG", "PNG")
 CHANNELS = 3  # an encoded data set is RGB, whatever its files' modes
 # (format, PIL mode) that decode_image turns into data.pixels' own pixels; a PNG's also 8-bit deep
 NATIVE = {("JPEG", "L"), ("JPEG", "RGB"), ("PNG", "L"), ("PNG", "LA"), ("PNG", "RGB"), ("PNG", "RGBA")}
-VAL_RESIZE = 8 / 7  # the recipe's 256 / 224
 
 
 def check_file(path: str | Path) -> np.ndarray:
@@ -72,14 +72,17 @@ def decode(data: bytes) -> torch.Tensor:
     return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
 
 
-def train_view(data: bytes, size: int, seed: int, epoch: int, index: int) -> tuple[torch.Tensor, int]:
-    """RandomResizedCrop(size) of the image, and its flip flag for the device."""
+def train_view(
+    data: bytes, size: int, seed: int, epoch: int, index: int, interpolation: str = "bilinear"
+) -> tuple[torch.Tensor, int]:
+    """RandomResizedCrop(size, interpolation) of the image, and its flip flag for the device."""
     image = decode(data)
     top, left, h, w, flip = resized_crop(seed, epoch, index, image.shape[1], image.shape[2])
-    return TF.resized_crop(image, top, left, h, w, [size, size], antialias=True), flip
+    mode = InterpolationMode(interpolation)
+    return TF.resized_crop(image, top, left, h, w, [size, size], interpolation=mode, antialias=True), flip
 
 
-def val_view(data: bytes, size: int) -> torch.Tensor:
-    """Resize(size * 8/7) of the shorter side, then CenterCrop(size)."""
-    image = TF.resize(decode(data), [round(size * VAL_RESIZE)], antialias=True)
-    return TF.center_crop(image, [size, size])
+def val_view(data: bytes, resize: int, crop: int, interpolation: str = "bilinear") -> torch.Tensor:
+    """Resize(resize, interpolation) of the shorter side, then CenterCrop(crop)."""
+    image = TF.resize(decode(data), [resize], interpolation=InterpolationMode(interpolation), antialias=True)
+    return TF.center_crop(image, [crop, crop])

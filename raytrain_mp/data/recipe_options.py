@@ -2,8 +2,9 @@
 
 Job: the fields (``--auto-augment``, ``--ra-magnitude``, ``--augmix-severity``, ``--random-erase``,
 ``--mixup-alpha``, ``--cutmix-alpha``, ``--label-smoothing``, ``--model-ema`` and its steps and
-decay), their checks and the ``Recipe`` the sample options make, as a dataclass mixin a command's
-config inherits beside ``config.TrainOptions``.
+decay, ``--ra-sampler``/``--ra-reps``, the views' sizes and interpolation), their checks and the
+``Recipe`` the sample options make, as a dataclass mixin a command's config inherits beside
+``config.TrainOptions``. The views' checks against a data set are ``views``'.
 Invariants: pure (no torch: the command line builds its parser from these); ``validate`` extends
 the other bases' (cooperative ``super()``), so each check runs once, before any cluster resource.
 """
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from raytrain_mp.config import check, check_choice, option
 from raytrain_mp.data.augment import POLICIES
+from raytrain_mp.views import INTERPOLATIONS
 
 if TYPE_CHECKING:
     from raytrain_mp.data.recipe_draws import Recipe
@@ -49,6 +51,22 @@ class RecipeOptions:
         0.99998,
         "the average's decay, adjusted as torchvision's reference does for --model-ema-steps, the batch and the epochs",
     )
+    ra_sampler: bool = option(
+        False, "repeated augmentation: an epoch reads each of its samples --ra-reps times, each copy augmented apart"
+    )
+    ra_reps: int = option(3, "--ra-sampler: copies of each sample an epoch reads")
+    train_crop_size: int | None = option(
+        None, "training view: RandomResizedCrop to this side (an encoded data set; default: its prepared size)"
+    )
+    val_resize_size: int | None = option(
+        None, "validation view: the shorter side resized to this (an encoded data set; default: 8/7 of the crop)"
+    )
+    val_crop_size: int | None = option(
+        None, "validation view: CenterCrop to this side (an encoded data set; default: its prepared size)"
+    )
+    interpolation: str | None = option(
+        None, "the views' resizing (an encoded data set; default: bilinear)", INTERPOLATIONS
+    )
 
     def validate(self) -> None:
         super().validate()  # type: ignore[misc]  # TrainOptions', next in a command config's bases
@@ -62,6 +80,23 @@ class RecipeOptions:
         check(0 <= self.random_erase <= 1, "random_erase", f"must be in [0, 1], got {self.random_erase}")
         check(self.model_ema_steps >= 1, "model_ema_steps", f"must be >= 1, got {self.model_ema_steps}")
         check(0 <= self.model_ema_decay <= 1, "model_ema_decay", f"must be in [0, 1], got {self.model_ema_decay}")
+        check(self.ra_reps >= 1, "ra_reps", f"must be >= 1, got {self.ra_reps}")
+        for name in ("train_crop_size", "val_resize_size", "val_crop_size"):
+            value = getattr(self, name)
+            check(value is None or value >= 1, name, f"must be >= 1, got {value}")
+        if self.interpolation is not None:
+            check_choice(self, "interpolation")
+        check(
+            self.train_crop_size is None or self.augment,  # type: ignore[attr-defined]  # TrainOptions'
+            "train_crop_size",
+            "the training view is --augment's random crop; without it training takes the validation view "
+            "(--val-crop-size); accepted: with --augment",
+        )
+
+    @property
+    def repetitions(self) -> int:
+        """Copies of each sample an epoch reads (``data.repeated``): ``--ra-reps`` with ``--ra-sampler``, else 1."""
+        return self.ra_reps if self.ra_sampler else 1
 
     @property
     def recipe(self) -> Recipe:

@@ -9,8 +9,9 @@ checkpoint is written and published (``checkpointing``). Invariants that make th
 independent of the number of workers:
 
 - The global batch is fixed; each of W ranks takes G / W samples per step from a
-  ``DistributedSampler`` (shuffle, seed, ``set_epoch`` every epoch), so step k of every run sees the
-  same global set of samples. An epoch is ``len(train) // G`` full global steps (the tail that does
+  ``DistributedSampler`` (shuffle, seed, ``set_epoch`` every epoch; ``data.repeated``'s, which
+  deals the slots of ``--ra-sampler`` alike), so step k of every run sees the same global set of
+  samples. An epoch is ``len(train) // G`` full global steps (the tail that does
   not fill a global batch is dropped, as in Goyal et al.), which keeps this true for any split size.
 - The loss is a sum over the rank's samples divided by the all-reduced sample count of the whole
   optimizer step, times W because DDP averages gradients over ranks: the gradient is the
@@ -47,7 +48,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DistributedSampler
 
 from raytrain_mp.checkpointing import (
     checkpoint_name,
@@ -65,6 +65,7 @@ from raytrain_mp.config import to_yaml
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
 from raytrain_mp.data.loader import EpochKeys, make_loader
 from raytrain_mp.data.recipe_draws import pair_inputs, step_mix
+from raytrain_mp.data.repeated import RepeatedSampler
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate, global_count
 from raytrain_mp.ddp.elastic import items_to_skip
@@ -80,6 +81,7 @@ from raytrain_mp.optim import build_optimizer
 from raytrain_mp.progress import Progress
 from raytrain_mp.run_log import RunLog
 from raytrain_mp.storage import join, locate, name_of
+from raytrain_mp.views import Views
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -165,12 +167,20 @@ def build_data(cfg: DDPConfig, rank: int, world: int, device: torch.device, dtyp
     """Per-rank batch of a fixed global batch; the val split is sharded without padding."""
     root = resolve_dataset(cfg.data)
     meta = read_meta(root)
+    views = Views.of(meta, cfg)
     train_ds = ParquetImageDataset(
-        root, "train", augment=cfg.augment, seed=cfg.seed, meta=meta, preprocess=cfg.preprocess, recipe=cfg.recipe
+        root,
+        "train",
+        augment=cfg.augment,
+        seed=cfg.seed,
+        meta=meta,
+        preprocess=cfg.preprocess,
+        recipe=cfg.recipe,
+        views=views,
     )
-    val_ds = ParquetImageDataset(root, "val", meta=meta, preprocess=cfg.preprocess)
+    val_ds = ParquetImageDataset(root, "val", meta=meta, preprocess=cfg.preprocess, views=views)
     micro_batch = cfg.global_batch_size // (world * cfg.grad_accum_steps)
-    sampler = EpochKeys(DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed))
+    sampler = EpochKeys(RepeatedSampler(train_ds, cfg.repetitions, num_replicas=world, rank=rank, seed=cfg.seed))
     loading = {"workers": cfg.loaders, "prefetch": cfg.loader_prefetch, "pin": device.type == "cuda"}
     train_loader = make_loader(train_ds, micro_batch, sampler, **loading)
     val_sampler = EpochKeys(ShardSampler(len(val_ds), rank, world))

@@ -43,6 +43,7 @@ from raytrain_mp.errors import UsageError
 from raytrain_mp.preprocessing import input_hw, input_size
 from raytrain_mp.storage import COMPLETE_MARKER, Location, locate, name_of
 from raytrain_mp.tune.config import SWEEP_FILE, metric_mode
+from raytrain_mp.views import Views
 
 OPTION = "--checkpoint"
 ACCEPTED = (
@@ -127,10 +128,15 @@ class TrainedRun:
         return self.options.get("preprocess")
 
     @property
+    def views(self) -> Views:
+        """The run's views of its data set (``views``): what its validation, and so eval and predict, cut."""
+        return Views.of(self.meta, self.options)
+
+    @property
     def input_shape(self) -> tuple[int, int, int]:
-        """(H, W, C) of the model's input: the data set's image shape, or the preprocessing's crop."""
-        h, w, c = self.meta.image_shape
-        return (*input_hw(self.preprocess, h, w), c)
+        """(H, W, C) of the model's input: the validation view (the data set's image shape unless the
+        run cut other views), or the preprocessing's crop."""
+        return (*input_hw(self.preprocess, *self.views.val_hw), self.meta.channels)
 
     def transform(self) -> BatchTransform:
         """What turns a batch of the split's uint8 images into the model's input, as the run's evaluation did."""
@@ -161,7 +167,7 @@ class TrainedRun:
         from raytrain_mp.models import build_model
 
         meta = self.meta
-        size = input_size(self.preprocess, meta.image_size)
+        size = input_size(self.preprocess, self.views.training_size(bool(self.options.get("augment"))))
         model = build_model(
             self.model_name, meta.num_classes, meta.channels, self.options.get("small_stem"), image_size=size
         )

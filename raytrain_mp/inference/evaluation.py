@@ -46,6 +46,7 @@ from raytrain_mp.inference.config import EvalConfig
 from raytrain_mp.inference.report import default_out, write_eval_outputs
 from raytrain_mp.progress import note
 from raytrain_mp.storage import name_of
+from raytrain_mp.views import Views
 
 BATCH = 64  # the trainers' validation batch (ddp: max(micro-batch, 64)): the same sums, in the same order per rank
 TOP_K = 5
@@ -101,7 +102,7 @@ def eval_loop_per_worker(config: dict) -> None:
     dtype = run.dtype()
     autocast = autocast_for(run.precision, device)
     meta = read_meta(job.data)
-    dataset = ParquetImageDataset(job.data, job.split, meta=meta)
+    dataset = ParquetImageDataset(job.data, job.split, meta=meta, views=Views.of(meta, run.options))
     loader = make_loader(
         dataset, BATCH, EpochKeys(ShardSampler(len(dataset), rank, world)), workers=0, persistent=False
     )

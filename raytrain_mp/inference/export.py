@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from raytrain_mp.data.encoded import VAL_RESIZE
 from raytrain_mp.data.format import DatasetMeta
 from raytrain_mp.data.pixels import CHANNEL_MODES
 from raytrain_mp.data.transforms import BatchTransform
@@ -41,6 +40,7 @@ from raytrain_mp.errors import UsageError
 from raytrain_mp.inference.checkpoint import load_run
 from raytrain_mp.inference.config import ExportConfig
 from raytrain_mp.storage import local_replacement, locate
+from raytrain_mp.views import Views
 
 CHECK_BATCHES = (1, 7)
 TOLERANCE = {"onnx": 1e-4, "pt2": 1e-5, "torchscript": 1e-5}
@@ -202,6 +202,7 @@ def sidecar_path(out: str | Path) -> Path:
 def sidecar(
     meta: DatasetMeta,
     transform: BatchTransform,
+    views: Views,
     input_shape: tuple[int, int, int],
     fmt: str,
     out: Path,
@@ -210,7 +211,8 @@ def sidecar(
 ) -> dict:
     """What the exported file eats and returns, for a caller that has only the file and this.
     ``transform``: the run's evaluation transform (``TrainedRun.transform``), whose mean/std (and,
-    for pretrained weights' preprocessing, resize and crop) the caller applies; ``input_shape``:
+    for pretrained weights' preprocessing, resize and crop) the caller applies; ``views``: the run's
+    (``TrainedRun.views``: an encoded data set's validation resize and interpolation); ``input_shape``:
     (H, W, C) of the model's input."""
     height, width, channels = input_shape
     mean, std = list(transform.mean), list(transform.std)
@@ -223,8 +225,8 @@ def sidecar(
     if transform.resize:  # pretrained weights' preprocessing; resizing commutes with the normalization
         resize = {"shorter_side": transform.resize, "interpolation": transform.interpolation, "antialias": True}
         crop = {"center": [transform.crop, transform.crop]}
-    elif meta.encoded:  # data.encoded.val_view, which predict applies to an image file too
-        resize = {"shorter_side": round(height * VAL_RESIZE), "interpolation": "bilinear", "antialias": True}
+    elif meta.encoded:  # data.encoded.val_view at the run's views, which predict applies to an image file too
+        resize = {"shorter_side": views.val_resize, "interpolation": views.interpolation, "antialias": True}
         crop = {"center": [height, width]}
     else:  # inference.images.load_image: as data prepare resized the data set's images
         resize, crop = {"size": [height, width], "interpolation": "bilinear"}, None
@@ -261,7 +263,9 @@ def run_export(cfg: ExportConfig) -> dict:
     normalization = (list(transform.mean), list(transform.std)) if cfg.with_preprocessing else None
     difference = export_model(model, cfg.format, cfg.out, channels, height, width, normalization)
     out = Path(cfg.out).expanduser().resolve()
-    described = sidecar(meta, transform, run.input_shape, cfg.format, out, run.checkpoint, cfg.with_preprocessing)
+    described = sidecar(
+        meta, transform, run.views, run.input_shape, cfg.format, out, run.checkpoint, cfg.with_preprocessing
+    )
     locate(str(sidecar_path(out)), "--out").write_bytes((json.dumps(described, indent=2) + "\n").encode())
     return {
         "out": str(out),

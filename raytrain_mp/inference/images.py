@@ -5,7 +5,7 @@ Job: ``predict``'s FILE_OR_FOLDER arguments to uint8 (C, H, W) tensors that
 evaluation does:
 
 - an encoded data set (``meta.encoded``: JPEG/PNG kept as files): ``data.encoded.val_view``, the
-  loader's own Resize(S * 8/7) + CenterCrop(S) of the decoded RGB image; a file in another format
+  loader's own Resize + CenterCrop of the decoded RGB image, at the run's views (``views``); a file in another format
   PIL reads is converted to 8-bit RGB (``data.pixels``) and re-encoded losslessly as PNG first;
 - a raw data set: converted to the data set's mode by ``data.pixels`` (as ``data prepare`` converts
   every file, 16-bit ones included: L for 1 channel, RGB for 3, RGBA for 4) and,
@@ -28,6 +28,7 @@ import torch
 from raytrain_mp.data.format import DatasetMeta
 from raytrain_mp.data.pixels import CHANNEL_MODES, to_uint8_image
 from raytrain_mp.errors import UsageError
+from raytrain_mp.views import Views
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 OPTION = "FILE_OR_FOLDER"
@@ -63,8 +64,9 @@ def _open(path: Path):
         raise UsageError(f"{OPTION}: {path} is not an image PIL can read ({type(exc).__name__})") from None
 
 
-def load_image(path: Path, meta: DatasetMeta) -> torch.Tensor:
-    """The uint8 (C, H, W) view of ``path`` that the run's validation split would hold."""
+def load_image(path: Path, meta: DatasetMeta, views: Views | None = None) -> torch.Tensor:
+    """The uint8 (C, H, W) view of ``path`` that the run's validation split would hold (``views``:
+    the run's, ``TrainedRun.views``; None: the data set's own)."""
     from PIL import Image
 
     image = _open(path)
@@ -78,7 +80,8 @@ def load_image(path: Path, meta: DatasetMeta) -> torch.Tensor:
             buffer = io.BytesIO()
             to_uint8_image(image, 3).save(buffer, format="PNG")
             data = buffer.getvalue()
-        return val_view(data, h)
+        views = views or Views.of(meta)
+        return val_view(data, views.val_resize, views.val_hw[0], views.interpolation)
     if c not in CHANNEL_MODES:
         raise UsageError(f"{OPTION}: the model takes {c}-channel images, which no image file mode holds")
     try:

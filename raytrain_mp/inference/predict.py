@@ -40,7 +40,7 @@ class Inputs:
 def with_checked_inputs(cfg: PredictConfig) -> tuple[PredictConfig, Inputs]:
     run, _ = load_run(cfg.checkpoint, cfg.ema)
     files = collect_files(cfg.files)
-    images = [load_image(f, run.meta) for f in files]
+    images = [load_image(f, run.meta, run.views) for f in files]
     return dataclasses.replace(cfg, checkpoint=run.checkpoint), Inputs(run, files, images)
 
 

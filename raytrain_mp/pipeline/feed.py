@@ -7,11 +7,11 @@ the model's dtype, so that the driver's step calls carry positions and learning 
 pixels, and the input scales with the replicas and nodes instead of one driver process.
 
 Invariants:
-- Sample order is a pure function of (seed, epoch): a seeded permutation of the train split cut
-  into full global batches (``epoch_batches``); replica r of R takes the r-th contiguous equal
-  share of each, the samples ``replicas.replica_shares`` gives it of a driver-fed batch. So the
-  run's math depends neither on R nor on where the input is read, and a position
-  (epoch, step) names the same samples in every run.
+- Sample order is a pure function of (seed, epoch): a seeded permutation of the train split
+  (with ``--ra-sampler``, its ``data.repeated`` slots) cut into full global batches
+  (``epoch_batches``); replica r of R takes the r-th contiguous equal share of each, the samples
+  ``replicas.replica_shares`` gives it of a driver-fed batch. So the run's math depends neither on
+  R nor on where the input is read, and a position (epoch, step) names the same samples in every run.
 - A stage reads sequentially; asked for another position than the next one (a new epoch, a
   resumed run), it restarts its loader there (``EpochKeys`` skips the steps before), so any
   position can be asked for and every asked step reads its own samples exactly once.
@@ -20,6 +20,8 @@ Invariants:
   samples each read, for the tests that check who reads what.
 - Validation reads every sample of the val split once, in order, in batches of
   ``StageData.val_batch_size`` (the last one smaller), as the driver's ``DataLoader`` did.
+- Training and validation inputs have one shape (``StageData.check``): the stages' runtime is built
+  for it, so an encoded data set's training and validation views (``views``) must cut alike.
 - The recipe (``StageData.recipe``): the loader draws each sample's auto-augment and erasing box
   by (seed, epoch, index), as DDP's does. With mixup or cutmix each sample comes with its partner
   (``recipe_draws.partner``, by sample and epoch, so never by how the batch is shared); the first
@@ -33,6 +35,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,8 +45,10 @@ from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.format import DatasetMeta
 from raytrain_mp.data.loader import EpochKeys, make_loader
 from raytrain_mp.data.recipe_draws import Mix, Recipe, pair_inputs, partner, step_mix
+from raytrain_mp.data.repeated import repeated
 from raytrain_mp.errors import UsageError
 from raytrain_mp.preprocessing import input_hw
+from raytrain_mp.views import Views
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,22 @@ class StageData:
     val_batch_size: int | None = None  # None: global_batch_size
     preprocess: str | None = None  # the run's --preprocess spec (``preprocessing``): None, data, or the weights'
     recipe: Recipe = Recipe()  # the recipe's options on training samples (``data.recipe_draws``)
+    views: Views | None = None  # the run's views of an encoded data set (``views``); None: the data set's own
+    reps: int = 1  # --ra-sampler's copies of each sample an epoch reads (``data.repeated``)
+
+    @classmethod
+    def of_run(cls, cfg: Any, meta: DatasetMeta) -> StageData:
+        """The data of a pipeline command's config, checked against the data set ``meta``."""
+        reading = (cfg.data, cfg.global_batch_size, cfg.seed, cfg.augment, cfg.loader_workers, cfg.loader_prefetch)
+        views = Views.of(meta, cfg)
+        data = cls(*reading, preprocess=cfg.preprocess, recipe=cfg.recipe, views=views, reps=cfg.repetitions)
+        data.check(meta)
+        return data
+
+    def input_hw(self, meta: DatasetMeta, training: bool = True) -> tuple[int, int]:
+        """(H, W) of the model's training (or validation) inputs: the loader's view, then ``preprocess``'s crop."""
+        views = self.views or Views.of(meta)
+        return input_hw(self.preprocess, *(views.training_hw(self.augment) if training else views.val_hw))
 
     def check(self, meta: DatasetMeta) -> None:
         if self.loader_workers < 0 or self.loader_prefetch < 1:
@@ -75,16 +96,24 @@ class StageData:
                 f"data: global_batch_size {self.global_batch_size} must be between 1 and the {meta.counts['train']} "
                 "training samples"
             )
+        train, val = self.input_hw(meta), self.input_hw(meta, training=False)
+        if train != val:
+            raise UsageError(
+                f"--val-crop-size: a pipeline's stages take one input shape, but the training views are "
+                f"{train[0]}x{train[1]} and the validation views {val[0]}x{val[1]}; accepted: --train-crop-size equal "
+                "to --val-crop-size"
+            )
 
     @property
     def val_batch(self) -> int:
         return self.val_batch_size or self.global_batch_size
 
 
-def epoch_batches(length: int, batch_size: int, seed: int, epoch: int) -> list[Tensor]:
-    """The epoch's index batches: a seeded permutation cut into full batches."""
+def epoch_batches(length: int, batch_size: int, seed: int, epoch: int, reps: int = 1) -> list[Tensor]:
+    """The epoch's index batches: a seeded permutation (``reps`` > 1: its ``data.repeated`` slots)
+    cut into full batches."""
     order = torch.randperm(length, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return list(order[: length // batch_size * batch_size].split(batch_size))
+    return list(repeated(order, reps)[: length // batch_size * batch_size].split(batch_size))
 
 
 def val_batch_sizes(count: int, batch_size: int) -> list[int]:
@@ -95,8 +124,10 @@ def val_batch_sizes(count: int, batch_size: int) -> list[int]:
 class ShareSampler(Sampler[int]):
     """Replica ``replica``'s share of every full global batch of the epoch, batch after batch."""
 
-    def __init__(self, length: int, global_batch: int, seed: int, num_replicas: int, replica: int) -> None:
-        self.length, self.global_batch, self.seed = length, global_batch, seed
+    def __init__(
+        self, length: int, global_batch: int, seed: int, num_replicas: int, replica: int, reps: int = 1
+    ) -> None:
+        self.length, self.global_batch, self.seed, self.reps = length, global_batch, seed, reps
         self.share = global_batch // num_replicas
         self.start = replica * self.share
         self.epoch = 0
@@ -105,7 +136,7 @@ class ShareSampler(Sampler[int]):
         self.epoch = epoch
 
     def __iter__(self):
-        for batch in epoch_batches(self.length, self.global_batch, self.seed, self.epoch):
+        for batch in epoch_batches(self.length, self.global_batch, self.seed, self.epoch, self.reps):
             yield from batch[self.start : self.start + self.share].tolist()
 
     def __len__(self) -> int:
@@ -133,13 +164,13 @@ class StageFeed:
         self.start = replica * self.share
         train = ParquetImageDataset(
             data.root, "train", augment=data.augment, seed=data.seed, meta=meta, preprocess=data.preprocess,
-            recipe=data.recipe,
+            recipe=data.recipe, views=data.views,
         )  # fmt: skip
-        val = ParquetImageDataset(data.root, "val", meta=meta, preprocess=data.preprocess)
+        val = ParquetImageDataset(data.root, "val", meta=meta, preprocess=data.preprocess, views=data.views)
         self._train_labels, self._val_labels = torch.tensor(train.labels), torch.tensor(val.labels)
         self._length = len(train)
         self._num_classes, self._dtype = meta.num_classes, dtype
-        self._input_hw = input_hw(data.preprocess, *meta.image_shape[:2])  # the model input's, as mixing draws on it
+        self._input_hw = data.input_hw(meta)  # the model input's, as mixing draws on it
         self.reads = 0  # samples this actor read (partners too): images on the first stage, else labels
         self._images = images
         self._labels = labels
@@ -149,7 +180,7 @@ class StageFeed:
         if images:
             loading = {"workers": data.loader_workers, "prefetch": data.loader_prefetch, "pin": device.type == "cuda"}
             self._sampler = EpochKeys(
-                ShareSampler(len(train), data.global_batch_size, data.seed, num_replicas, replica)
+                ShareSampler(len(train), data.global_batch_size, data.seed, num_replicas, replica, data.reps)
             )
             self._train_loader = make_loader(train, self.share, self._sampler, **loading)
             self._val_loader = make_loader(
@@ -175,7 +206,7 @@ class StageFeed:
                 inputs = self._to_input(images, params)
         if self._labels:
             indices = self._share_indices(epoch, step)
-            labels = self._train_labels[indices]
+            labels = self._train_labels[indices % self._length]  # a slot of --ra-sampler reads its sample
             if self.data.recipe.mixing:
                 mates = [partner(self.data.seed, epoch, int(i), self._length) for i in indices]
                 labels = self._mix(epoch, step).targets(
@@ -192,7 +223,8 @@ class StageFeed:
 
     def _share_indices(self, epoch: int, step: int) -> Tensor:
         if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, epoch_batches(self._length, self.data.global_batch_size, self.data.seed, epoch))
+            batches = epoch_batches(self._length, self.data.global_batch_size, self.data.seed, epoch, self.data.reps)
+            self._order = (epoch, batches)
         return self._order[1][step][self.start : self.start + self.share]
 
     def val_batches(self):

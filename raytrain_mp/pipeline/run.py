@@ -106,6 +106,7 @@ def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
     and the run's name and storage folder fixed: everything that needs no Ray."""
     data, meta = checked_dataset(cfg.data, cfg.global_batch_size, "--global-batch-size")
     cfg = with_checked_model(cfg, meta)  # --weights: a local file from here on; --preprocess: the run's spec
+    StageData.of_run(cfg, meta)  # its views, checked
     model = build_run_model(cfg, meta)
     example = profile_batch(model, meta, 2, run_input_size(cfg, meta))  # a traced cut learns the shapes crossing it
     try:
@@ -210,8 +211,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     torch.manual_seed(cfg.seed)
     meta = read_meta(cfg.data)
     model = build_run_model(cfg, meta)
-    reading = (cfg.data, cfg.global_batch_size, cfg.seed, cfg.augment, cfg.loader_workers, cfg.loader_prefetch)
-    data = StageData(*reading, preprocess=cfg.preprocess, recipe=cfg.recipe)
+    data = StageData.of_run(cfg, meta)
     steps_per_epoch = meta.counts["train"] // cfg.global_batch_size
     schedule = schedule_for(cfg, steps_per_epoch)
     run = run_location(cfg)

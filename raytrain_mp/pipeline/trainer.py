@@ -182,8 +182,7 @@ class PipelineTrainer:
             check_batch(data.global_batch_size, spec.num_microbatches, spec.num_replicas)
             self.steps_per_epoch = meta.counts["train"] // data.global_batch_size
             self._val_count = meta.counts["val"]
-            height, width, channels = meta.image_shape
-            self._input_shape = (channels, height, width)
+            self._input_shape = (meta.channels, *data.input_hw(meta))
         params = block_parameter_counts(model, blocks)
         bounds = split_bounds(names, spec.split_points, parts) if spec.split_points is not None else None
         if balance == "params":

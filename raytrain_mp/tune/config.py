@@ -1,8 +1,8 @@
 """What a learning-rate sweep is: the validated ``TuneConfig`` of ``raytrain-mp tune``.
 
-Pure: no Ray, no writes. A sweep is a search space over the four per-trial DDP options (``base_lr``,
-``global_batch_size``, ``optimizer``, ``warmup_epochs``) plus every other ``DDPConfig`` option,
-applied to every trial alike. Invariants:
+Pure: no Ray, no writes. A sweep is a search space over the six per-trial DDP options (``base_lr``,
+``global_batch_size``, ``optimizer``, ``warmup_epochs``, ``weight_decay``, ``label_smoothing``)
+plus every other ``DDPConfig`` option, applied to every trial alike. Invariants:
 
 - ``TuneConfig`` takes its per-trial-alike fields from ``DDPConfig`` itself (same names, types,
   defaults, help), so a DDP option can never be missing from, or differ in, the sweep command.
@@ -30,7 +30,7 @@ from raytrain_mp.errors import UsageError
 from raytrain_mp.optim import OPTIMIZERS
 
 # Per-trial DDP options: their values come from the search space (keys of a trial's params).
-PER_TRIAL = ("base_lr", "global_batch_size", "optimizer", "warmup_epochs")
+PER_TRIAL = ("base_lr", "global_batch_size", "optimizer", "warmup_epochs", "weight_decay", "label_smoothing")
 # DDP options a sweep does not pass on: it names the experiment itself and each trial's run,
 # resuming every trial from one checkpoint is not a sweep, and a trial reports to Tune once an
 # epoch at a fixed size (ASHA compares epochs), so neither step checkpoints nor resizes apply.
@@ -68,6 +68,12 @@ class SweepOptions:
     global_batch_sizes: tuple[int, ...] = option((64, 128), "grid of global batch sizes")
     optimizers: tuple[str, ...] = option((DDPConfig.optimizer,), f"grid of optimizers ({', '.join(OPTIMIZERS)})")
     warmup_epochs_grid: tuple[float, ...] = option((DDPConfig.warmup_epochs,), "grid of warmup epochs")
+    weight_decays: tuple[float, ...] = option(
+        (DDPConfig.weight_decay,), "grid of weight decays (of conv and linear weights; --norm-weight-decay is fixed)"
+    )
+    label_smoothings: tuple[float, ...] = option(
+        (DDPConfig.label_smoothing,), "grid of label smoothings, each in [0, 1)"
+    )
     scheduler: str = option("asha", "early stopping of weak trials (ASHA on --metric), or none", ("asha", "none"))
     metric: str = option(
         "val_accuracy", "what picks the best trial (and what ASHA compares)", ("val_accuracy", "val_loss")
@@ -97,6 +103,8 @@ class SweepOptions:
             "global_batch_size": self.global_batch_sizes,
             "optimizer": self.optimizers,
             "warmup_epochs": self.warmup_epochs_grid,
+            "weight_decay": self.weight_decays,
+            "label_smoothing": self.label_smoothings,
             "base_lr": self.base_lr_values(),
         }
 
@@ -147,6 +155,12 @@ class SweepOptions:
         )
         for epochs in self.warmup_epochs_grid:
             check(epochs >= 0, "warmup_epochs_grid", f"must be >= 0, got {epochs}")
+        check(bool(self.weight_decays), "weight_decays", "the grid is empty; accepted: a comma list of weight decays")
+        for decay in self.weight_decays:
+            check(decay >= 0, "weight_decays", f"must be >= 0, got {decay}")
+        check(bool(self.label_smoothings), "label_smoothings", "the grid is empty; accepted: a comma list in [0, 1)")
+        for smoothing in self.label_smoothings:
+            check(0 <= smoothing < 1, "label_smoothings", f"must be in [0, 1), got {smoothing}")
         check(
             1 <= self.grace_period <= self.epochs,
             "grace_period",

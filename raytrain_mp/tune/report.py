@@ -45,6 +45,14 @@ BEST_ALWAYS = ("epochs", "model")
 # whether it had GPUs (``use_gpu`` is resolved from the cluster), where the run was written and
 # under which name, what it resumed from, how much it printed. best.yaml never holds them.
 MACHINE_STATE = ("use_gpu", "address", "storage_path", "name", "resume_from", "verbose")
+# Per-trial options besides the batch and the lr: a plot's curve is one combination of those that vary.
+# Each with its name in a curve's legend.
+CURVE_OPTIONS = {
+    "optimizer": "optimizer",
+    "warmup_epochs": "warmup",
+    "weight_decay": "wd",
+    "label_smoothing": "smoothing",
+}
 
 COLUMNS = pa.schema(
     [
@@ -56,6 +64,8 @@ COLUMNS = pa.schema(
         ("lr_rule", pa.string()),
         ("optimizer", pa.string()),
         ("warmup_epochs", pa.float64()),
+        ("weight_decay", pa.float64()),
+        ("label_smoothing", pa.float64()),
         ("best_val_accuracy", pa.float64()),
         ("best_val_loss", pa.float64()),
         ("final_val_accuracy", pa.float64()),
@@ -79,7 +89,7 @@ class TrialOutcome:
 
 
 def table_rows(outcomes: Sequence[TrialOutcome], template: DDPConfig) -> list[dict[str, Any]]:
-    """One row per trial, in ``COLUMNS`` order, sorted by (batch, optimizer, warmup, base lr)."""
+    """One row per trial, in ``COLUMNS`` order, sorted by batch, then ``CURVE_OPTIONS``, then base lr."""
     rows = []
     for outcome in outcomes:
         cfg = trial_config(template, outcome.params)
@@ -98,6 +108,8 @@ def table_rows(outcomes: Sequence[TrialOutcome], template: DDPConfig) -> list[di
                 "lr_rule": cfg.lr_rule,
                 "optimizer": cfg.optimizer,
                 "warmup_epochs": cfg.warmup_epochs,
+                "weight_decay": cfg.weight_decay,
+                "label_smoothing": cfg.label_smoothing,
                 "best_val_accuracy": max((h["val_accuracy"] for h in epochs), default=None),
                 "best_val_loss": min((h["val_loss"] for h in epochs), default=None),
                 "final_val_accuracy": final.get("val_accuracy"),
@@ -108,7 +120,7 @@ def table_rows(outcomes: Sequence[TrialOutcome], template: DDPConfig) -> list[di
             }
         )
     return sorted(
-        rows, key=lambda r: (r["global_batch_size"], r["optimizer"], r["warmup_epochs"], r["base_lr"], r["trial"])
+        rows, key=lambda r: (r["global_batch_size"], *(r[k] for k in CURVE_OPTIONS), r["base_lr"], r["trial"])
     )
 
 
@@ -171,10 +183,10 @@ def write_outputs(
 
 
 def plot_png(rows: Sequence[dict[str, Any]], subtitle: str) -> bytes:
-    """Final val accuracy vs base lr (log x), one curve per global batch size (and optimizer,
-    warmup when they vary); each curve's peak is starred, early-stopped trials are hollow."""
+    """Final val accuracy vs base lr (log x), one curve per global batch size (and per value of each
+    of ``CURVE_OPTIONS`` that varies); each curve's peak is starred, early-stopped trials are hollow."""
     plt = pyplot()
-    varying = [key for key in ("optimizer", "warmup_epochs") if len({r[key] for r in rows}) > 1]
+    varying = [key for key in CURVE_OPTIONS if len({r[key] for r in rows}) > 1]
     curves: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         if r["final_val_accuracy"] is not None:
@@ -182,7 +194,7 @@ def plot_png(rows: Sequence[dict[str, Any]], subtitle: str) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, points in sorted(curves.items()):
         points.sort(key=lambda r: r["base_lr"])
-        label = ", ".join([f"batch {key[0]}", *(f"{k.split('_')[0]} {v}" for k, v in zip(varying, key[1:]))])
+        label = ", ".join([f"batch {key[0]}", *(f"{CURVE_OPTIONS[k]} {v}" for k, v in zip(varying, key[1:]))])
         xs, ys = [p["base_lr"] for p in points], [p["final_val_accuracy"] for p in points]
         (line,) = ax.plot(xs, ys, "-", label=label)
         for p in points:

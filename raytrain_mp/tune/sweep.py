@@ -238,7 +238,7 @@ def _outcome(result: Any) -> TrialOutcome:
     trial_id = (result.metrics or {}).get("trial_id")  # Tune adds it to every report
     return TrialOutcome(
         trial=Path(result.path).name,
-        params={k: params[k] for k in PER_TRIAL},
+        params={k: params[k] for k in PER_TRIAL if k in params},  # a sweep from before a dimension: the template's
         history=history,
         error=str(result.error) if result.error else None,
         run=run_name(trial_id) if trial_id else None,

@@ -147,6 +147,71 @@ def test_encoded_folder_keeps_the_files_and_decodes_to_the_recipe(encoded):
     assert torch.equal(crop_flip(images, flips, train.transform.pad), images.flip(3))
 
 
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "nearest"])
+def test_an_encoded_runs_views_are_the_references_presets(encoded, interpolation):
+    """--train-crop-size, --val-resize-size, --val-crop-size and --interpolation cut what
+    torchvision's reference presets cut (``ClassificationPresetTrain``'s RandomResizedCrop with the
+    drawn box, ``ClassificationPresetEval``'s Resize + CenterCrop), on the decoded image."""
+    from torchvision.transforms import v2
+
+    from raytrain_mp.data.encoded import decode
+    from raytrain_mp.views import Views
+
+    _, out = encoded
+    meta = read_meta(str(out))
+    options = {"train_crop_size": 20, "val_resize_size": 36, "val_crop_size": 28, "interpolation": interpolation}
+    views = Views.of(meta, options)
+    assert views == Views((20, 20), (28, 28), 36, interpolation)
+    mode = v2.InterpolationMode(interpolation)
+    train = ParquetImageDataset(str(out), "train", augment=True, seed=3, meta=meta, views=views)
+    for epoch, index in [(0, 0), (1, 5), (4, 11)]:
+        image, _, params = train[(epoch, index)]
+        decoded = decode(train.stored(index))
+        top, left, h, w, flip = resized_crop(3, epoch, index, *decoded.shape[1:])
+        expected = v2.functional.resized_crop(decoded, top, left, h, w, [20, 20], interpolation=mode, antialias=True)
+        assert torch.equal(image, expected) and params[2] == flip
+    val = ParquetImageDataset(str(out), "val", meta=meta, views=views)
+    preset = v2.Compose([v2.Resize(36, interpolation=mode, antialias=True), v2.CenterCrop(28)])
+    for index in range(len(val)):
+        assert torch.equal(val[index][0], preset(decode(val.stored(index))))
+
+
+def test_views_default_to_the_data_sets_size_and_refuse_what_a_raw_set_cannot_cut(encoded, synthetic):
+    from raytrain_mp.errors import UsageError
+    from raytrain_mp.views import Views
+
+    encoded_meta, raw = read_meta(str(encoded[1])), read_meta(synthetic)
+    # A run without the options (or saved before them) cuts what runs always cut: 32, and 37 -> 32.
+    assert Views.of(encoded_meta) == Views.of(encoded_meta, {"model": "resnet18"}) == Views((32, 32), (32, 32), 37)
+    assert Views.of(encoded_meta, {"val_crop_size": 28}).val_resize == 32  # 8/7 of the crop
+    assert Views.of(encoded_meta, {"val_crop_size": 28}).training_hw(augment=False) == (28, 28)
+    assert Views.of(raw) == Views((12, 12), (12, 12), 0) and Views.of(raw, {"val_crop_size": 12}) == Views.of(raw)
+    with pytest.raises(UsageError, match=r"^--val-crop-size: 40 is larger than the validation resize 36"):
+        Views.of(encoded_meta, {"val_resize_size": 36, "val_crop_size": 40})
+    for name, value in [
+        ("train_crop_size", 10),
+        ("val_crop_size", 14),
+        ("val_resize_size", 14),
+        ("interpolation", "bicubic"),
+    ]:
+        with pytest.raises(UsageError, match=rf"^--{name.replace('_', '-')}: the data set is raw pixels stored at"):
+            Views.of(raw, {name: value})
+
+
+def test_a_pipeline_refuses_training_and_validation_views_of_two_shapes(encoded):
+    from raytrain_mp.errors import UsageError
+    from raytrain_mp.pipeline.config import PipelineConfig
+    from raytrain_mp.pipeline.feed import StageData
+
+    _, out = encoded
+    meta = read_meta(str(out))
+    same = PipelineConfig(data=str(out), augment=True, train_crop_size=28, val_crop_size=28, global_batch_size=4)
+    assert StageData.of_run(same, meta).input_hw(meta) == (28, 28)
+    two = PipelineConfig(data=str(out), augment=True, train_crop_size=24, global_batch_size=4)
+    with pytest.raises(UsageError, match=r"training views are 24x24 and the validation views 32x32"):
+        StageData.of_run(two, meta)
+
+
 @pytest.mark.parametrize(
     "damage, fragment",
     [

@@ -50,6 +50,18 @@ from helpers import assert_usage_error, run_cli, session_cpus, session_gpus
         (["--random-erase", "1.5"], ["--random-erase: must be in [0, 1], got 1.5"]),
         (["--model-ema-steps", "0"], ["--model-ema-steps: must be >= 1, got 0"]),
         (["--model-ema-decay", "1.1"], ["--model-ema-decay: must be in [0, 1], got 1.1"]),
+        (["--val-crop-size", "0"], ["--val-crop-size: must be >= 1, got 0"]),
+        (["--interpolation", "lanczos"], ["--interpolation", "invalid choice: 'lanczos'", "'bilinear', 'bicubic'"]),
+        (
+            ["--train-crop-size", "6"],
+            ["--train-crop-size: the training view is --augment's random crop", "with --augment"],
+        ),
+        # the built-in digits are raw 8x8 pixels: the loader cuts no other view of them
+        (
+            ["--augment", "--train-crop-size", "6"],
+            ["--train-crop-size: the data set is raw pixels stored at its training size 8x8", "accepted: 8 for a crop"],
+        ),
+        (["--val-resize-size", "10"], ["--val-resize-size: the data set is raw pixels", "data prepare --encoded"]),
         # elastic ranges: every size must split the batch, MIN <= MAX, MIN >= 1, and restarts allowed
         (
             ["--num-workers", "2-4", "--global-batch-size", "64", "--max-failures", "1"],
@@ -250,5 +262,7 @@ def test_every_recipe_file_is_a_valid_config_and_the_v2_recipe_carries_the_refer
         1.0,
     )
     assert (v2.model_ema, v2.model_ema_steps, v2.model_ema_decay) == (True, 32, 0.99998)
+    assert (v2.ra_sampler, v2.ra_reps, v2.augment) == (True, 4, True)
+    assert (v2.train_crop_size, v2.val_resize_size, v2.val_crop_size, v2.interpolation) == (176, 232, 224, "bilinear")
     finetune = configs["resnet50-finetune.yaml"]
     assert (finetune.weights, finetune.backbone_lr_scale) == ("IMAGENET1K_V2", 0.1)

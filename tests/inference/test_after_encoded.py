@@ -1,7 +1,9 @@
 """``raytrain-mp predict`` on an encoded data set (JPEG and PNG files kept as files): the files of
 the validation split, given to predict, get the classes eval predicts for those samples, through
 the same Resize + CenterCrop the loader cuts. The run trains as ``ddp`` does on such a folder: 2
-workers with a loader process each, augmented, 2 epochs."""
+workers with a loader process each, augmented, 2 epochs, at views of its own (``--train-crop-size``
+24, ``--val-resize-size`` 36, ``--val-crop-size`` 28, bicubic, of the 32 px data set), which
+``eval``, ``predict`` and ``export``'s sidecar take from its config.yaml."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import pytest
 from helpers import make_image_folder, run_cli_json
 
 pytestmark = pytest.mark.slow
+
+
+VIEWS = ["--train-crop-size", "24", "--val-resize-size", "36", "--val-crop-size", "28", "--interpolation", "bicubic"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +40,7 @@ def encoded_run(ray_session, tmp_path_factory) -> dict:
     result = run_cli_json(
         "ddp", "--no-use-gpu", "--data", data, "--augment", "--num-workers", "2", "--loader-workers", "1",
         "--epochs", "2", "--global-batch-size", "4", "--storage-path", str(root / "runs"), "--name", "enc",
-        "--log-every", "0",
+        "--log-every", "0", *VIEWS,
     )  # fmt: skip
     return {**result, "data": data}
 
@@ -75,3 +80,17 @@ def test_predict_gives_evals_classes_for_encoded_validation_files(encoded_run, t
     result = run_cli_json("predict", "--checkpoint", encoded_run["run"], str(folder), "--top-k", "2")
     assert [p["classes"][0] for p in result["predictions"]] == expected
     assert {name for p in result["predictions"] for name in p["classes"]} <= {"class0", "class1", "class2"}
+
+
+def test_the_runs_views_reach_its_model_and_exports_sidecar(encoded_run, tmp_path):
+    from raytrain_mp.inference.checkpoint import load_run
+    from raytrain_mp.inference.export import sidecar
+
+    run, _ = load_run(encoded_run["run"], False)
+    assert run.input_shape == (28, 28, 3)
+    described = sidecar(
+        run.meta, run.transform(), run.views, run.input_shape, "pt2", tmp_path / "m", run.checkpoint, False
+    )
+    assert described["input"]["shape"] == ["batch", 3, 28, 28]
+    assert described["resize"] == {"shorter_side": 36, "interpolation": "bicubic", "antialias": True}
+    assert described["crop"] == {"center": [28, 28]}

@@ -140,10 +140,11 @@ def test_more_replicas_than_the_cluster_holds(ray_session, tiny_data, tmp_path, 
 
 # torchvision's recipe as the pipeline takes it: per-sample auto-augment and erasing, mixup or cutmix
 # a step (pixels on the first stage, labels on the last), label smoothing, BatchNorm weight decay and
-# a weight average of each stage (updated every step; the reference's adjustment makes 0.999 0.968).
+# a weight average of each stage (updated every step; the reference's adjustment makes 0.999 0.968),
+# repeated augmentation (each sample read twice an epoch).
 RECIPE = ["--auto-augment", "ta_wide", "--random-erase", "0.25", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
           "--label-smoothing", "0.1", "--norm-weight-decay", "0.01", "--model-ema", "--model-ema-steps", "1",
-          "--model-ema-decay", "0.999"]  # fmt: skip
+          "--model-ema-decay", "0.999", "--ra-sampler", "--ra-reps", "2"]  # fmt: skip
 
 
 def max_diff(a_pt: str, b_pt: str) -> float:

@@ -5,8 +5,8 @@ Pure rules first (shares, checkpoint segments and order), then ``PipelineTrainer
 real stage actors against single-process gradient accumulation over the same samples, in float64,
 for every schedule, with augmentation, loader processes and replicas; with one stage per rank (1
 and 2 replicas) also with every option of torchvision's recipe (auto-augment, random erasing,
-mixup/cutmix, label smoothing, and a weight average of each stage, against ``ema.ModelEMA`` over
-the single-process model).
+mixup/cutmix, label smoothing, repeated augmentation, and a weight average of each stage, against
+``ema.ModelEMA`` over the single-process model).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from raytrain_mp.pipeline.run import step_segments
 BATCH, SEED = 16, 7
 LRS = [0.05, 0.03, 0.02]
 RECIPE = Recipe(auto_augment="ta_wide", random_erase=0.25, mixup_alpha=0.2, cutmix_alpha=1.0)
+REPS = 2  # with the recipe: repeated augmentation (--ra-sampler --ra-reps 2)
 SMOOTHING = 0.1
 EMA_DECAY = 0.8  # an update every step: after 3 steps the average is far from both the start and the model
 
@@ -116,7 +117,7 @@ def _model() -> nn.Module:
 
 
 def _reference(
-    root: str, steps: int, parts: int, recipe: Recipe, smoothing: float
+    root: str, steps: int, parts: int, recipe: Recipe, smoothing: float, reps: int
 ) -> tuple[list[float], nn.Module, ModelEMA]:
     """Single-process gradient accumulation over the samples of epoch 0's first ``steps`` global
     batches, read and augmented on the driver, in ``parts`` micro-batches each; mixed, where the
@@ -127,7 +128,7 @@ def _reference(
     optimizer = torch.optim.SGD(model.parameters(), lr=LRS[0], momentum=0.9)
     train = ParquetImageDataset(root, "train", augment=True, seed=SEED, recipe=recipe)
     losses = []
-    for step, (indices, lr) in enumerate(zip(epoch_batches(len(train), BATCH, SEED, 0)[:steps], LRS)):
+    for step, (indices, lr) in enumerate(zip(epoch_batches(len(train), BATCH, SEED, 0, reps)[:steps], LRS)):
         images, y, params = train.batch((0, int(i)) for i in indices)
         if recipe.mixing:  # (sample, partner) pairs
             to_input = partial(train.transform, device=torch.device("cpu"), dtype=torch.float64)
@@ -188,7 +189,7 @@ def trainer_for(images: str, ray_session: object) -> Iterator:
             recipe = RECIPE if virtual == 1 else Recipe()
             data = StageData(
                 images, BATCH, seed=SEED, augment=True, loader_workers=int(replicas == 1), val_batch_size=16,
-                recipe=recipe,
+                recipe=recipe, reps=REPS if recipe.mixing else 1,
             )  # fmt: skip
             trainer = PipelineTrainer(
                 _model(),
@@ -243,7 +244,8 @@ def test_stages_read_their_batches_and_equal_gradient_accumulation(
     finally:
         stages.actors = actors
     recipe = RECIPE if virtual == 1 else Recipe()
-    want_losses, want_model, want_average = _reference(images, len(LRS), 4, recipe, SMOOTHING if recipe.mixing else 0.0)
+    smoothing, reps = (SMOOTHING, REPS) if recipe.mixing else (0.0, 1)
+    want_losses, want_model, want_average = _reference(images, len(LRS), 4, recipe, smoothing, reps)
     assert losses == pytest.approx(want_losses, rel=1e-10)
     _assert_state_close(trainer.state_dict(), want_model.state_dict(), 1e-10)
     for name, (got, model) in {"model": (evaluation, want_model), "average": (averaged, want_average.module)}.items():

@@ -48,15 +48,23 @@ def test_every_other_ddp_option_is_a_sweep_option_with_the_same_definition():
 
 def test_grids_from_flags_and_yaml(tmp_path):
     cfg = make(
-        tmp_path, base_lrs="0.1, 0.2,0.4", global_batch_sizes="32,64", optimizers="sgd,adamw", warmup_epochs_grid="0,1"
+        tmp_path,
+        base_lrs="0.1, 0.2,0.4",
+        global_batch_sizes="32,64",
+        optimizers="sgd,adamw",
+        warmup_epochs_grid="0,1",
+        weight_decays="1e-4,5e-5",
+        label_smoothings="0,0.1",
     )
     assert cfg.grid() == {
         "global_batch_size": (32, 64),
         "optimizer": ("sgd", "adamw"),
         "warmup_epochs": (0.0, 1.0),
+        "weight_decay": (1e-4, 5e-5),
+        "label_smoothing": (0.0, 0.1),
         "base_lr": (0.1, 0.2, 0.4),
     }
-    assert cfg.num_trials() == 24
+    assert cfg.num_trials() == 96
     single = make(tmp_path, base_lrs="0.3", global_batch_sizes="128")
     assert (single.grid()["base_lr"], single.grid()["global_batch_size"]) == ((0.3,), (128,))
     path = tmp_path / "sweep.yaml"
@@ -70,6 +78,7 @@ def test_defaults_and_log_uniform(tmp_path):
     cfg = make(tmp_path)
     assert cfg.grid()["base_lr"] == DEFAULT_BASE_LRS and cfg.num_trials() == len(DEFAULT_BASE_LRS) * 2
     assert (cfg.mode, cfg.scheduler, cfg.optimizers, cfg.warmup_epochs_grid) == ("max", "asha", ("sgd",), (1.0,))
+    assert (cfg.weight_decays, cfg.label_smoothings) == ((DDPConfig.weight_decay,), (DDPConfig.label_smoothing,))
     sampled = make(tmp_path, lr_min="0.01", lr_max="1", num_samples="5", metric="val_loss", seed="3")
     lrs = sampled.grid()["base_lr"]
     assert len(lrs) == 5 and list(lrs) == sorted(lrs) and all(0.01 <= lr <= 1 for lr in lrs)
@@ -81,10 +90,13 @@ def test_defaults_and_log_uniform(tmp_path):
 
 def test_trial_config_is_the_template_at_a_point(tmp_path):
     cfg = make(tmp_path, global_batch_sizes="64,128", epochs="3", lr_rule="sqrt", seed="7")
-    point = {"base_lr": 0.2, "global_batch_size": 128, "optimizer": "adamw", "warmup_epochs": 0.5}
+    point = {
+        "base_lr": 0.2, "global_batch_size": 128, "optimizer": "adamw", "warmup_epochs": 0.5, "weight_decay": 0.05,
+        "label_smoothing": 0.1,
+    }  # fmt: skip
     trial = trial_config(cfg.template(), point, name="t")
     assert isinstance(trial, DDPConfig)
-    assert (trial.base_lr, trial.global_batch_size, trial.optimizer, trial.warmup_epochs) == (0.2, 128, "adamw", 0.5)
+    assert {name: getattr(trial, name) for name in point} == point
     assert (trial.epochs, trial.lr_rule, trial.seed, trial.num_workers, trial.name) == (3, "sqrt", 7, 1, "t")
     with pytest.raises(ValueError, match="not per-trial"):
         trial_config(cfg.template(), {"epochs": 9})
@@ -126,6 +138,10 @@ BAD = [
     (["--num-samples", "4"], ["--num-samples: only with --lr-min/--lr-max"]),
     (["--optimizers", "sgd,lamb"], ["--optimizers: unknown value 'lamb'", "sgd, adamw"]),
     (["--warmup-epochs-grid", "1,-1"], ["--warmup-epochs-grid: must be >= 0, got -1.0"]),
+    (["--weight-decays="], ["--weight-decays: the grid is empty"]),
+    (["--weight-decays", "1e-4,-1e-4"], ["--weight-decays: must be >= 0, got -0.0001"]),
+    (["--label-smoothings="], ["--label-smoothings: the grid is empty"]),
+    (["--label-smoothings", "0,1"], ["--label-smoothings: must be in [0, 1), got 1.0"]),
     (["--scheduler", "pbt"], ["--scheduler", "invalid choice: 'pbt'"]),
     (["--metric", "train_loss"], ["--metric", "invalid choice: 'train_loss'"]),
     (["--grace-period", "3", "--epochs", "2"], ["--grace-period: must be in [1, --epochs 2], got 3"]),
@@ -279,8 +295,10 @@ def test_best_yaml_holds_what_the_sweep_chose_not_this_machine(tmp_path, outcome
         "base_lr": 0.4,
         "warmup_epochs": 1.0,
         "optimizer": "sgd",
+        "weight_decay": DDPConfig.weight_decay,
         "seed": 5,
         "log_every": 0,
+        "label_smoothing": 0.0,
         "num_workers": 1,
         "global_batch_size": 128,
     }
@@ -301,6 +319,8 @@ def test_best_yaml_holds_what_the_sweep_chose_not_this_machine(tmp_path, outcome
         "base_lr": 0.4,
         "warmup_epochs": 1.0,
         "optimizer": "sgd",
+        "weight_decay": DDPConfig.weight_decay,
+        "label_smoothing": 0.0,
         "num_workers": 1,
         "global_batch_size": 128,
     }

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from raytrain_mp.cli import main
 from raytrain_mp.config import build_config
@@ -94,7 +95,7 @@ def sweep(small_digits, tmp_path_factory):
         "tune", "--no-use-gpu", "--data", small_digits, "--global-batch-sizes", ",".join(map(str, BATCHES)),
         "--base-lrs", ",".join(map(str, LRS)), "--epochs", str(EPOCHS), "--scheduler", "asha",
         "--num-workers", "1", "--storage-path", str(storage), "--name", "lr", "--log-every", "0",
-        "--seed", "1",
+        "--seed", "1", "--weight-decays", "2e-4", "--label-smoothings", "0.1",
     ]  # fmt: skip
     # If Tune finished before the signal, this no-op absorbs it (and the resume test fails) instead
     # of SIGUSR1's default action ending the test session.
@@ -149,6 +150,9 @@ def test_sweep_table(sweep):
     for r in rows:
         assert r["effective_lr"] == scaled_lr(r["base_lr"], r["global_batch_size"], 256, "linear")
         assert r["world_size"] == 1 and r["lr_rule"] == "linear" and r["optimizer"] == "sgd"
+        assert (r["weight_decay"], r["label_smoothing"]) == (2e-4, 0.1)
+        trained = yaml.safe_load(next((sweep["experiment"] / r["run"]).glob("**/config.yaml")).read_text())
+        assert (trained["weight_decay"], trained["label_smoothing"]) == (2e-4, 0.1)  # what the trial trained with
         assert r["status"] in ("completed", "stopped") and r["error"] is None
         assert r["epochs_run"] in range(1, EPOCHS + 1)
         assert (r["epochs_run"] == EPOCHS) == (r["status"] == "completed")
