@@ -125,7 +125,7 @@ NOT_HERE = {
         "ImageNet, 600 epochs of ResNet-50 on 8 GPUs; tests/ddp/test_ddp_config.py builds every configs/ file and "
         "checks the recipe's values",
     "python scripts/recipe_study.py --out docs/bench/recipe":
-        "20 minutes on 2 cores, seven ddp runs of 30 epochs: a study, not a check",
+        "27 minutes on 2 cores, seven ddp runs of 30 epochs: a study, not a check (its figures: docs/bench/recipe)",
     "raytrain-mp tune --global-batch-sizes 32,64 --base-lrs 0.1,0.4 --epochs 1 --num-workers 1 --name lr-sweep":
         "docs/tune.md's 2x2 grid; the README's sweep of the same name runs the same command with one base lr (its "
         "trials run one at a time here, 45 s each), and tests/tune/test_tune_sweep.py runs a 2x2 grid",
