@@ -2,7 +2,7 @@
 
 Layout, imports pointing down only (``tests/test_layout.py`` walks them):
 
-- the command line and this facade: ``cli``, ``__init__``;
+- the command line, the Python entry points and this facade: ``cli``, ``api``, ``__init__``;
 - the capabilities, one package each: ``ddp`` (DDP on Ray Train), ``pipeline`` (pipelined model
   parallelism on stage actors), ``tune`` (learning-rate sweeps, builds on ``ddp``), ``bench``
   (benchmarks against their bare peers, builds on ``ddp`` and ``pipeline``);
@@ -10,8 +10,10 @@ Layout, imports pointing down only (``tests/test_layout.py`` walks them):
   ``checkpointing``, ``lr_schedule``, ``models``, ``optim``, ``cluster``, ``storage``, ``errors``, and ``data``
   (the Parquet data sets every trainer reads).
 
-Public names: ``convert_sync_batchnorm``, ``scaled_lr``, ``PipelineTrainer``, imported on first use
-so that ``import raytrain_mp`` pulls in neither torch nor Ray.
+Public names (docs/python.md), imported on first use so that ``import raytrain_mp`` pulls in
+neither torch nor Ray: the commands' configs ``DDPConfig`` and ``PipelineConfig``, ``fit`` (what a
+command runs) and ``build_trainer`` (``api``), ``tune_trainable`` (``tune.trainable``), and the
+pieces ``convert_sync_batchnorm``, ``scaled_lr``, ``PipelineTrainer``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ import importlib
 from typing import Any
 
 _PUBLIC = {
+    "DDPConfig": "raytrain_mp.ddp.config",
+    "PipelineConfig": "raytrain_mp.pipeline.config",
+    "fit": "raytrain_mp.api",
+    "build_trainer": "raytrain_mp.api",
+    "tune_trainable": "raytrain_mp.tune.trainable",
     "convert_sync_batchnorm": "raytrain_mp.ddp.sync_batchnorm",
     "scaled_lr": "raytrain_mp.lr_schedule",
     "PipelineTrainer": "raytrain_mp.pipeline.trainer",

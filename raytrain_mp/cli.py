@@ -97,12 +97,9 @@ def run_on_ray(cfg, run, as_json: bool, title: str, quiet: bool = False, brief=N
 def finished_already(cfg, command: str, as_json: bool, brief=None) -> bool:
     """A rerun of a finished run (same ``--storage-path`` and ``--name``, no more ``--epochs``)
     prints that run's summary and starts nothing; more epochs continue it."""
-    from raytrain_mp.checkpointing import finished_result
-    from raytrain_mp.storage import locate
+    from raytrain_mp.api import finished_run
 
-    if cfg.name is None:
-        return False
-    result = finished_result(locate(cfg.storage_path, "--storage-path").child(cfg.name), cfg.epochs)
+    result = finished_run(cfg)
     if result is not None:
         emit(
             result,

@@ -40,6 +40,7 @@ DOCS = [README] + [
         "pipeline",
         "tune",
         "recipes",
+        "python",
         "inference",
         "runs",
         "storage",

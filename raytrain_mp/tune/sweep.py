@@ -30,16 +30,13 @@ from typing import Any
 import ray
 from ray import tune
 from ray.core.generated import gcs_pb2
-from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from raytrain_mp.cluster import cluster_totals, resolve_use_gpu, wait_for_autoscaler
 from raytrain_mp.config import absolute_path, to_yaml
 from raytrain_mp.data import read_meta, resolve_dataset
-from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.trainer import (
-    build_trainer,
     with_checked_data,
     with_cluster_settings,
 )
@@ -50,9 +47,9 @@ from raytrain_mp.tune.config import (
     SWEEP_FILE,
     TRIAL_DRIVER_CPUS,
     concurrency,
-    trial_config,
 )
 from raytrain_mp.tune.report import TrialOutcome, table_rows, write_file, write_outputs
+from raytrain_mp.tune.trainable import run_name, trial_function
 
 
 def prepared(cfg: Any) -> Any:
@@ -135,18 +132,6 @@ def release_orphaned_placement_groups() -> int:
     return released
 
 
-def run_name(trial_id: str) -> str:
-    """The folder of a trial's Train run in the experiment."""
-    return f"train-{trial_id}"
-
-
-def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> None:
-    """The Tune trainable: fit the trial's DDP run, reporting every epoch to Tune."""
-    trial_id = tune.get_context().get_trial_id()
-    cfg = trial_config(template, {k: params[k] for k in PER_TRIAL}, name=run_name(trial_id), storage_path=experiment)
-    build_trainer(cfg, callbacks=[TuneReportCallback()]).fit()
-
-
 def run_sweep(cfg: Any) -> dict[str, Any]:
     """Run (or, with ``cfg.resume``, finish) the sweep on the connected cluster; write its outputs
     and return the summary. ``cfg`` must come from ``prepared``."""
@@ -165,9 +150,7 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
         data=absolute_path(resolve_dataset(cfg.data)),
     )
     experiment = cfg.resume or join(cfg.storage_path, cfg.name)
-    trainable = tune.with_resources(
-        tune.with_parameters(run_trial, template=template, experiment=experiment), {"cpu": TRIAL_DRIVER_CPUS}
-    )
+    trainable = trial_function(template, experiment)
     if cfg.resume:
         tuner = tune.Tuner.restore(cfg.resume, trainable, resume_unfinished=True, resume_errored=False)
     else:
