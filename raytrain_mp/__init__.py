@@ -12,7 +12,8 @@ Layout, imports pointing down only (``tests/test_layout.py`` walks them):
 
 Public names (docs/python.md), imported on first use so that ``import raytrain_mp`` pulls in
 neither torch nor Ray: the commands' configs ``DDPConfig`` and ``PipelineConfig``, ``fit`` (what a
-command runs) and ``build_trainer`` (``api``), ``tune_trainable`` (``tune.trainable``), and the
+command runs) and ``build_trainer`` (``api``), ``tune_trainable`` and the Tune callback it needs,
+``ReleaseStoppedWorkerGroups`` (``tune.trainable``), and the
 pieces ``convert_sync_batchnorm``, ``scaled_lr``, ``PipelineTrainer``.
 """
 
@@ -27,6 +28,7 @@ _PUBLIC = {
     "fit": "raytrain_mp.api",
     "build_trainer": "raytrain_mp.api",
     "tune_trainable": "raytrain_mp.tune.trainable",
+    "ReleaseStoppedWorkerGroups": "raytrain_mp.tune.trainable",
     "convert_sync_batchnorm": "raytrain_mp.ddp.sync_batchnorm",
     "scaled_lr": "raytrain_mp.lr_schedule",
     "PipelineTrainer": "raytrain_mp.pipeline.trainer",

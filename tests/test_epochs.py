@@ -242,7 +242,7 @@ def test_publish_checkpoint_publishes_the_log_first_and_keeps_the_newest(tmp_pat
 def test_the_run_model_is_the_seeded_model_in_the_run_dtype(precision, dtype):
     cfg, meta = (
         DDPConfig(model="resnet18", precision=precision),
-        SimpleNamespace(num_classes=10, channels=1, image_size=8),
+        SimpleNamespace(num_classes=10, channels=1, image_size=8, image_shape=(8, 8, 1), encoded=False),
     )
     torch.manual_seed(0)
     model = build_run_model(cfg, meta)

@@ -27,11 +27,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import ray
 from ray import tune
-from ray.core.generated import gcs_pb2
 from ray.tune.schedulers import ASHAScheduler
-from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from raytrain_mp.cluster import cluster_totals, resolve_use_gpu, wait_for_autoscaler
 from raytrain_mp.config import absolute_path, to_yaml
@@ -49,7 +46,7 @@ from raytrain_mp.tune.config import (
     concurrency,
 )
 from raytrain_mp.tune.report import TrialOutcome, table_rows, write_file, write_outputs
-from raytrain_mp.tune.trainable import run_name, trial_function
+from raytrain_mp.tune.trainable import ReleaseStoppedWorkerGroups, run_name, trial_function
 
 
 def prepared(cfg: Any) -> Any:
@@ -79,27 +76,6 @@ def prepared(cfg: Any) -> Any:
     return cfg
 
 
-class ReleaseStoppedWorkerGroups(tune.Callback):
-    """Remove the workers' placement group of each Train run whose controller died with its trial.
-
-    Tune stops a trial by ending its actor, and the Train controller that actor owns dies with it.
-    The workers' placement group lives as long as the job, so without this it would hold its CPUs
-    and GPUs for the rest of the sweep and later trials would wait forever for workers. Ray Train's
-    own cleaner asks the dashboard's state API, which a Ray started without the dashboard lacks and
-    which cannot tell several Ray instances on one machine apart; the GCS table can. Removed: the
-    non-detached groups of this job whose creating actor is dead (Tune's own trial groups are made
-    by the driver, not by an actor, and stay)."""
-
-    def __init__(self, every_s: float = 1.0) -> None:
-        self.every_s = every_s
-        self._last = 0.0
-
-    def on_step_end(self, iteration: int, trials: list, **info: Any) -> None:
-        if time.monotonic() - self._last >= self.every_s:
-            self._last = time.monotonic()
-            release_orphaned_placement_groups()
-
-
 class SaveFinishedResults(tune.Callback):
     """Make a finished trial's saved last result carry Tune's ``done``, as the live one does.
 
@@ -110,26 +86,6 @@ class SaveFinishedResults(tune.Callback):
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         trial.run_metadata.invalidate_cache()
-
-
-def release_orphaned_placement_groups() -> int:
-    """Remove this job's non-detached placement groups whose creating actor is dead; return how many."""
-    job = ray.get_runtime_context().get_job_id()
-    nil_actor = ray.ActorID.nil().binary()
-    released = 0
-    # The public placement_group_table() drops the creator fields; the GCS accessor behind it has them.
-    for blob in ray._private.state.state._connect_and_get_accessor().get_placement_group_table():
-        group = gcs_pb2.PlacementGroupTableData.FromString(blob)
-        if (
-            group.creator_job_id.hex() == job
-            and group.creator_actor_id != nil_actor
-            and group.creator_actor_dead
-            and not group.is_detached
-            and group.state != gcs_pb2.PlacementGroupTableData.REMOVED
-        ):
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(group.placement_group_id)))
-            released += 1
-    return released
 
 
 def run_sweep(cfg: Any) -> dict[str, Any]:

@@ -16,16 +16,22 @@ Invariants:
   resume, and a finished trial's run is never trained again.
 - The trial's own function mostly waits for its workers; it holds ``TRIAL_DRIVER_CPUS``. Ray Train
   places the workers outside the trial's resources, so Tune cannot count them: the caller caps
-  ``max_concurrent_trials`` at what fits (``tune.config.trials_that_fit``; ray issue 54305).
+  ``max_concurrent_trials`` at what fits (``tune.config.trials_that_fit``; ray issue 54305), and
+  a trial Tune stops (a scheduler's decision, or the last epoch's report reaching ``max_t``) leaves
+  its workers' placement group behind unless the experiment runs ``ReleaseStoppedWorkerGroups``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
+import ray
 from ray import tune
+from ray.core.generated import gcs_pb2
 from ray.tune.integration.ray_train import TuneReportCallback
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from raytrain_mp.config import absolute_path
 from raytrain_mp.ddp.config import DDPConfig
@@ -71,3 +77,44 @@ def tune_trainable(config: DDPConfig, storage_path: str | None = None) -> Any:
     config.validate()
     template = dataclasses.replace(with_cluster_settings(with_checked_data(config)), name=None)
     return trial_function(template, absolute_path(storage_path or template.storage_path))
+
+
+class ReleaseStoppedWorkerGroups(tune.Callback):
+    """Remove the workers' placement group of each Train run whose controller died with its trial.
+
+    Tune stops a trial by ending its actor, and the Train controller that actor owns dies with it.
+    The workers' placement group lives as long as the job, so without this it would hold its CPUs
+    and GPUs for the rest of the sweep and later trials would wait forever for workers. Ray Train's
+    own cleaner asks the dashboard's state API, which a Ray started without the dashboard lacks and
+    which cannot tell several Ray instances on one machine apart; the GCS table can. Removed: the
+    non-detached groups of this job whose creating actor is dead (Tune's own trial groups are made
+    by the driver, not by an actor, and stay)."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.every_s = every_s
+        self._last = 0.0
+
+    def on_step_end(self, iteration: int, trials: list, **info: Any) -> None:
+        if time.monotonic() - self._last >= self.every_s:
+            self._last = time.monotonic()
+            release_orphaned_placement_groups()
+
+
+def release_orphaned_placement_groups() -> int:
+    """Remove this job's non-detached placement groups whose creating actor is dead; return how many."""
+    job = ray.get_runtime_context().get_job_id()
+    nil_actor = ray.ActorID.nil().binary()
+    released = 0
+    # The public placement_group_table() drops the creator fields; the GCS accessor behind it has them.
+    for blob in ray._private.state.state._connect_and_get_accessor().get_placement_group_table():
+        group = gcs_pb2.PlacementGroupTableData.FromString(blob)
+        if (
+            group.creator_job_id.hex() == job
+            and group.creator_actor_id != nil_actor
+            and group.creator_actor_dead
+            and not group.is_detached
+            and group.state != gcs_pb2.PlacementGroupTableData.REMOVED
+        ):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(group.placement_group_id)))
+            released += 1
+    return released
