@@ -180,7 +180,7 @@ class ParquetImageDataset(Dataset):
                 image, flip = train_view(self.stored(index), size, self.seed, epoch, slot, views.interpolation)
                 crop[2] = flip
             else:
-                image = val_view(self.stored(index), views.val_resize, views.val_hw[0], views.interpolation)
+                image = val_view(self.stored(index), views)
         else:
             # A copy: arrow's buffer is read-only, and the collated batch wants its own memory anyway.
             image = torch.from_numpy(self.raw_image(index).transpose(2, 0, 1).copy())

@@ -33,6 +33,7 @@ from torchvision.transforms.v2 import functional as TF
 from raytrain_mp.data.augment import resized_crop
 from raytrain_mp.data.pixels import to_uint8
 from raytrain_mp.errors import UsageError
+from raytrain_mp.views import Views
 
 FORMATS = ("JPEG", "PNG")
 CHANNELS = 3  # an encoded data set is RGB, whatever its files' modes
@@ -82,7 +83,8 @@ def train_view(
     return TF.resized_crop(image, top, left, h, w, [size, size], interpolation=mode, antialias=True), flip
 
 
-def val_view(data: bytes, resize: int, crop: int, interpolation: str = "bilinear") -> torch.Tensor:
-    """Resize(resize, interpolation) of the shorter side, then CenterCrop(crop)."""
-    image = TF.resize(decode(data), [resize], interpolation=InterpolationMode(interpolation), antialias=True)
-    return TF.center_crop(image, [crop, crop])
+def val_view(data: bytes, views: Views) -> torch.Tensor:
+    """Resize(``views.val_resize``, its interpolation) of the shorter side, then CenterCrop to ``views.val_hw``."""
+    mode = InterpolationMode(views.interpolation)
+    image = TF.resize(decode(data), [views.val_resize], interpolation=mode, antialias=True)
+    return TF.center_crop(image, list(views.val_hw))

@@ -80,8 +80,7 @@ def load_image(path: Path, meta: DatasetMeta, views: Views | None = None) -> tor
             buffer = io.BytesIO()
             to_uint8_image(image, 3).save(buffer, format="PNG")
             data = buffer.getvalue()
-        views = views or Views.of(meta)
-        return val_view(data, views.val_resize, views.val_hw[0], views.interpolation)
+        return val_view(data, views or Views.of(meta))
     if c not in CHANNEL_MODES:
         raise UsageError(f"{OPTION}: the model takes {c}-channel images, which no image file mode holds")
     try:
