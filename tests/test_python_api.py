@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +22,24 @@ EXAMPLES = FENCE.findall(PAGE.read_text())
 
 
 def run_example(code: str, tmp_path: Path) -> str:
+    """``code`` as a user runs it on a machine of their own: a private HOME, working folder and Ray
+    temp dir. The temp dir matters: a ``ray start`` of another test leaves its address in
+    ``/tmp/ray/ray_current_cluster``, and a plain ``ray.init(num_cpus=2)`` joins that cluster and
+    refuses ``num_cpus`` (as it would on a user's machine with a ``ray start`` running)."""
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
+    temp_dir = Path(f"/tmp/rtpy-{os.getpid()}")  # short: Ray's socket paths must fit in 107 bytes
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    temp_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYTRAIN_MP_CACHE")}
-    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
-    done = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=850)
+    env.update(HOME=str(home), TMPDIR=str(temp_dir), RAY_USAGE_STATS_ENABLED="0")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=850
+        )
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     return done.stdout
 
