@@ -71,3 +71,29 @@ def build_optimizer(
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr)
     raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+
+
+def load_under_own_options(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    optimizer_state: dict,
+    scheduler_state: dict,
+) -> None:
+    """Load a checkpoint's optimizer and schedule state (momentum buffers, the schedule's step)
+    under the options the run was built with: each group's lr, weight decay and the optimizer's
+    other settings stay the run's, the lr at the restored step of the run's own schedule.
+
+    A restart of the same run gets back exactly what it saved (its options are the checkpoint's, and
+    the lr is ``base_lr * factor(step)``, what ``LambdaLR`` computes). A run that continues another
+    run's checkpoint under new options trains with its own: a PBT trial exploiting a better trial's
+    checkpoint with a perturbed lr or weight decay, ``--resume-from`` with a new ``--base-lr``.
+    ``load_state_dict`` alone would keep the checkpoint's, silently."""
+    own = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    base_lrs = list(scheduler.base_lrs)
+    optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(scheduler_state)
+    scheduler.base_lrs = base_lrs
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(base_lrs, scheduler.lr_lambdas)]
+    for group, options, lr in zip(optimizer.param_groups, own, lrs):
+        group.update(options, lr=lr)
+    scheduler._last_lr = lrs  # what get_last_lr() returns after a step; torch keeps it in sync the same way

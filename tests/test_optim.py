@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from raytrain_mp.finetune import lr_scales
@@ -40,3 +41,41 @@ def test_norm_weight_decay_decays_batchnorm_weights_in_a_step():
         p.grad = torch.zeros_like(p)
     optimizer.step()  # zero gradients: only the decay moves a weight, by lr * decay * weight
     torch.testing.assert_close(model.bn1.weight.detach(), before * (1 - 0.1 * 0.5))
+
+
+def _trained(base_lr: float, weight_decay: float, name: str, steps: int):
+    """A tiny model's optimizer and warmup-cosine schedule after ``steps`` steps from the same init."""
+    from raytrain_mp.lr_schedule import make_schedule
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    schedule = make_schedule(base_lr, 64, 256, "linear", 1.0, 3, 4)
+    optimizer = build_optimizer(model.parameters(), name, schedule.peak_lr, 0.9, weight_decay, None, 0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
+    for _ in range(steps):
+        model(torch.randn(8, 4)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return model, optimizer, scheduler, schedule
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_a_restored_optimizer_keeps_the_runs_own_options_and_the_checkpoints_state(name):
+    from raytrain_mp.optim import load_under_own_options
+
+    _, saved, saved_scheduler, _ = _trained(0.4, 5e-4, name, 5)
+    # the same options: exactly what was saved (groups, per-parameter state, the schedule)
+    _, same, same_scheduler, _ = _trained(0.4, 5e-4, name, 0)
+    load_under_own_options(same, same_scheduler, saved.state_dict(), saved_scheduler.state_dict())
+    assert same.state_dict()["param_groups"] == saved.state_dict()["param_groups"]
+    assert same_scheduler.state_dict() == saved_scheduler.state_dict()
+    # new options (PBT's perturbation): their lr at the restored step and their weight decay, the saved buffers
+    _, new, new_scheduler, schedule = _trained(0.1, 1e-3, name, 0)
+    load_under_own_options(new, new_scheduler, saved.state_dict(), saved_scheduler.state_dict())
+    assert new_scheduler.last_epoch == 5 and new_scheduler.get_last_lr() == [schedule(5)] * 2
+    assert [(g["lr"], g["weight_decay"]) for g in new.param_groups] == [(schedule(5), 1e-3), (schedule(5), 0.01)]
+    for ours, theirs in zip(new.state_dict()["state"].values(), saved.state_dict()["state"].values()):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    new_scheduler.step()  # and the schedule goes on from there
+    assert new.param_groups[0]["lr"] == pytest.approx(schedule(6), rel=1e-12)

@@ -77,7 +77,7 @@ from raytrain_mp.fault_injection import FaultSpec
 from raytrain_mp.finetune import freeze_backbone, lr_scales
 from raytrain_mp.lr_schedule import schedule_for
 from raytrain_mp.niceness import run_at_normal_niceness
-from raytrain_mp.optim import build_optimizer
+from raytrain_mp.optim import build_optimizer, load_under_own_options
 from raytrain_mp.progress import Progress
 from raytrain_mp.run_log import RunLog
 from raytrain_mp.storage import join, locate, name_of
@@ -243,8 +243,7 @@ def restore(worker: Worker, steps_per_epoch: int) -> tuple[str | None, int, int,
     else:
         return None, 0, 0, (0.0, 0.0)
     worker.ddp.module.load_state_dict(model_state, strict=True)
-    worker.optimizer.load_state_dict(train_state["optimizer"])
-    worker.scheduler.load_state_dict(train_state["scheduler"])
+    load_under_own_options(worker.optimizer, worker.scheduler, train_state["optimizer"], train_state["scheduler"])
     worker.scaler.load_state_dict(train_state["scaler"])
     set_rng_states(train_state["rng"])
     if worker.ema is not None and ema_state is not None:  # else the average starts anew at the next update

@@ -37,6 +37,11 @@ PER_TRIAL = ("base_lr", "global_batch_size", "optimizer", "warmup_epochs", "weig
 NOT_PASSED_ON = ("name", "resume_from", "json", "checkpoint_every_steps", "resize_interval")
 
 DEFAULT_BASE_LRS = (0.1, 0.2, 0.4, 0.8)
+SEARCHES = ("grid", "random", "optuna")
+SCHEDULERS = ("asha", "pbt", "none")
+# What PBT perturbs: the options it can change mid-run (``optim.load_under_own_options``); a batch
+# size, optimizer or warmup would change what the checkpoint's state means.
+PERTURBED = ("base_lr", "weight_decay")
 DEFAULT_NUM_SAMPLES = 8
 # The trial's function (it builds and fits the TorchTrainer) is a Tune actor; it mostly waits, but
 # reserving a CPU for it keeps the count of trials that fit honest.
@@ -60,10 +65,18 @@ class SweepOptions:
     )
     lr_min: float | None = option(None, "log-uniform search instead of a grid: smallest base lr (with --lr-max)")
     lr_max: float | None = option(None, "log-uniform search: largest base lr (with --lr-min)")
+    search: str = option(
+        "grid",
+        "how points are chosen: every combination of the grids (grid); --num-samples points drawn from them "
+        "(random, seeded by --seed), or proposed by Optuna's TPE from the trials so far (optuna: pip install "
+        "'raytrain_mp[optuna]'); with --lr-min/--lr-max the lr is log-uniform",
+        SEARCHES,
+    )
     num_samples: int | None = option(
         None,
-        "log-uniform search: base lrs drawn (seeded by --seed), each tried at every batch size (default: "
-        f"{DEFAULT_NUM_SAMPLES})",
+        "random and optuna: the trials; grid with --lr-min/--lr-max: base lrs drawn (seeded by --seed), each tried "
+        f"at every grid point (default: {DEFAULT_NUM_SAMPLES})",
+        group="sweep",
     )
     global_batch_sizes: tuple[int, ...] = option((64, 128), "grid of global batch sizes")
     optimizers: tuple[str, ...] = option((DDPConfig.optimizer,), f"grid of optimizers ({', '.join(OPTIMIZERS)})")
@@ -74,12 +87,19 @@ class SweepOptions:
     label_smoothings: tuple[float, ...] = option(
         (DDPConfig.label_smoothing,), "grid of label smoothings, each in [0, 1)"
     )
-    scheduler: str = option("asha", "early stopping of weak trials (ASHA on --metric), or none", ("asha", "none"))
+    scheduler: str = option(
+        "asha",
+        "early stopping of weak trials (ASHA on --metric); pbt: every --perturbation-interval epochs the worst "
+        "quarter of trials continue from a best quarter's checkpoint with its lr and weight decay perturbed "
+        "(Population Based Training); or none",
+        SCHEDULERS,
+    )
     metric: str = option(
         "val_accuracy", "what picks the best trial (and what ASHA compares)", ("val_accuracy", "val_loss")
     )
     grace_period: int = option(1, "asha: epochs every trial runs before it may be stopped")
     reduction_factor: float = option(2.0, "asha: at each rung, keep the best 1/this of trials")
+    perturbation_interval: int = option(1, "pbt: epochs between two exploits of better trials' checkpoints")
     max_concurrent_trials: int | None = option(
         None, "trials at once (default: as many as the cluster fits, each trial's driver CPU and workers counted)"
     )
@@ -121,7 +141,21 @@ class SweepOptions:
         return tuple(sorted(float(f"{lr:.4g}") for lr in draws))  # 4 digits: readable in trial names and tables
 
     def num_trials(self) -> int:
+        if self.search != "grid":
+            return self.num_samples or DEFAULT_NUM_SAMPLES
         return math.prod(len(values) for values in self.grid().values())
+
+    def varying(self) -> dict[str, tuple]:
+        """The dimensions a random or Optuna search chooses from (more than one value each; the lr
+        counts as varying with a range); the others hold their one value in every trial."""
+        grid = self.grid()
+        return {
+            name: values for name, values in grid.items() if len(values) > 1 or (name == "base_lr" and self.log_uniform)
+        }
+
+    def perturbed(self) -> dict[str, tuple]:
+        """What PBT may resample: the lr (its range or its grid) and the weight decays, where they vary."""
+        return {name: values for name, values in self.varying().items() if name in PERTURBED}
 
     def template(self) -> DDPConfig:
         """The DDP config every trial shares; the per-trial fields hold the first grid point."""
@@ -130,9 +164,10 @@ class SweepOptions:
         return DDPConfig(**shared, **first)
 
     def validate(self) -> None:
-        for name in ("scheduler", "metric"):
+        for name in ("search", "scheduler", "metric"):
             check_choice(self, name)
         self._validate_lrs()
+        self._validate_search()
         check(
             bool(self.global_batch_sizes),
             "global_batch_sizes",
@@ -174,6 +209,41 @@ class SweepOptions:
         )
         self.template().validate()  # every other option, checked exactly as the ddp command checks it
 
+    def _validate_search(self) -> None:
+        defaults = SweepOptions()
+        check(
+            self.search == "grid" or bool(self.varying()),
+            "search",
+            f"{self.search}: nothing to choose, every grid has one value; accepted: --lr-min/--lr-max or a grid "
+            "of several values",
+        )
+        if self.scheduler != "asha":
+            for name in ("grace_period", "reduction_factor"):
+                check(
+                    getattr(self, name) == getattr(defaults, name),
+                    name,
+                    f"only with --scheduler asha, got --scheduler {self.scheduler}",
+                )
+        if self.scheduler != "pbt":
+            check(
+                self.perturbation_interval == defaults.perturbation_interval,
+                "perturbation_interval",
+                f"only with --scheduler pbt, got --scheduler {self.scheduler}",
+            )
+            return
+        check(
+            1 <= self.perturbation_interval < self.epochs,
+            "perturbation_interval",
+            f"must be in [1, --epochs {self.epochs}) (an exploit needs an epoch after it), "
+            f"got {self.perturbation_interval}",
+        )
+        check(
+            bool(self.perturbed()),
+            "scheduler",
+            "pbt perturbs the lr and the weight decay, and neither varies; accepted: --lr-min/--lr-max, "
+            "several --base-lrs or several --weight-decays",
+        )
+
     def _validate_lrs(self) -> None:
         if self.log_uniform:
             check(
@@ -194,7 +264,19 @@ class SweepOptions:
                 f"must be >= 1, got {self.num_samples}",
             )
             return
-        check(self.num_samples is None, "num_samples", "only with --lr-min/--lr-max (a grid tries each value once)")
+        if self.search != "grid":
+            check(
+                self.num_samples is None or self.num_samples >= 1,
+                "num_samples",
+                f"must be >= 1, got {self.num_samples}",
+            )
+        else:
+            check(
+                self.num_samples is None,
+                "num_samples",
+                "a grid tries each value once; accepted: --num-samples with --search random or optuna, "
+                "or with --lr-min/--lr-max",
+            )
         check(
             self.base_lrs is None or bool(self.base_lrs),
             "base_lrs",

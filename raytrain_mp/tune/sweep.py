@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from ray import tune
-from ray.tune.schedulers import ASHAScheduler
 
 from raytrain_mp.cluster import cluster_totals, resolve_use_gpu, wait_for_autoscaler
 from raytrain_mp.config import absolute_path, to_yaml
@@ -38,6 +37,7 @@ from raytrain_mp.ddp.trainer import (
     with_cluster_settings,
 )
 from raytrain_mp.errors import UsageError
+from raytrain_mp.progress import note
 from raytrain_mp.storage import join, locate
 from raytrain_mp.tune.config import (
     PER_TRIAL,
@@ -46,6 +46,7 @@ from raytrain_mp.tune.config import (
     concurrency,
 )
 from raytrain_mp.tune.report import TrialOutcome, table_rows, write_file, write_outputs
+from raytrain_mp.tune.search import check_search_installed, param_space, scheduler, search_alg
 from raytrain_mp.tune.trainable import ReleaseStoppedWorkerGroups, run_name, trial_function
 
 
@@ -54,6 +55,7 @@ def prepared(cfg: Any) -> Any:
     run in their own folders) and the experiment named; needs no Ray. ``data`` stays as the user
     gave it (None: the built-in default), so ``sweep.yaml`` and ``best.yaml`` do not pin this
     machine's cache folder; ``run_sweep`` resolves it for the trials."""
+    check_search_installed(cfg.search)
     checked = with_checked_data(dataclasses.replace(cfg.template(), global_batch_size=min(cfg.global_batch_sizes)))
     data = checked.data
     train_count = read_meta(data).counts["train"]
@@ -98,6 +100,12 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
         f"--num-workers {cfg.num_workers}", [{"CPU": TRIAL_DRIVER_CPUS}, *[worker] * int(cfg.num_workers)]
     )
     max_concurrent = concurrency(cfg, *cluster_totals(), use_gpu)
+    if cfg.scheduler == "pbt" and max_concurrent < cfg.num_trials():
+        # PBT compares trials that run together; one that starts after another finished exploits nothing of it
+        note(
+            f"note: pbt runs {max_concurrent} of the {cfg.num_trials()} trials at once (what fits), and a trial "
+            "exploits only those running beside it; give the cluster more CPUs or run fewer trials"
+        )
     # The trials' template holds this machine's state (use_gpu, the data's cache folder); the
     # outputs' best.yaml is built from cfg.template(), the options as the user gave them.
     template = dataclasses.replace(
@@ -113,25 +121,23 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
         # Tune keeps the concurrency it started with when it resumes; saving it lets the resume check it still fits.
         saved = dataclasses.replace(cfg, resume=None, max_concurrent_trials=max_concurrent)
         write_file(experiment, SWEEP_FILE, to_yaml(saved).encode())
-        scheduler = None
-        if cfg.scheduler == "asha":
-            # Rungs count epochs (reported by the loop), not Tune iterations, which restart with a resumed trial.
-            scheduler = ASHAScheduler(
-                time_attr="epoch",
-                max_t=cfg.epochs,
-                grace_period=cfg.grace_period,
-                reduction_factor=cfg.reduction_factor,
-            )
         tuner = tune.Tuner(
             trainable,
-            param_space={name: tune.grid_search(list(values)) for name, values in cfg.grid().items()},
+            param_space=param_space(cfg),
             tune_config=tune.TuneConfig(
-                metric=cfg.metric, mode=cfg.mode, scheduler=scheduler, max_concurrent_trials=max_concurrent
+                metric=cfg.metric,
+                mode=cfg.mode,
+                search_alg=search_alg(cfg, max_concurrent),
+                scheduler=scheduler(cfg),
+                num_samples=1 if cfg.search == "grid" else cfg.num_trials(),
+                max_concurrent_trials=max_concurrent,
             ),
             run_config=tune.RunConfig(
                 name=cfg.name,
                 storage_path=cfg.storage_path,
                 failure_config=tune.FailureConfig(max_failures=0),
+                # Tune's copies of the trials' checkpoints (PBT exploits them); PBT warns below 3.
+                checkpoint_config=tune.CheckpointConfig(num_to_keep=max(3, cfg.num_to_keep)),
                 callbacks=[ReleaseStoppedWorkerGroups(), SaveFinishedResults()],
             ),
         )
@@ -171,14 +177,17 @@ def _outcome(result: Any) -> TrialOutcome:
         columns = [c for c in ("epoch", "val_accuracy", "val_loss", "world_size") if c in frame]
         history = frame[columns].dropna().astype(float).to_dict("records")
     # A trial that failed before its first report has no config in its result; params.json, written
-    # when the trial starts, has it for every trial.
-    with result.filesystem.open_input_stream(f"{result.path}/params.json") as f:
-        params = json.loads(f.read())
-    trial_id = (result.metrics or {}).get("trial_id")  # Tune adds it to every report
+    # when the trial starts, has it for every trial. The result's is the last (PBT's perturbed) one.
+    params = result.config
+    if not params:
+        with result.filesystem.open_input_stream(f"{result.path}/params.json") as f:
+            params = json.loads(f.read())
+    metrics = result.metrics or {}
+    trial_id = metrics.get("trial_id")  # Tune adds it to every report
     return TrialOutcome(
         trial=Path(result.path).name,
         params={k: params[k] for k in PER_TRIAL if k in params},  # a sweep from before a dimension: the template's
         history=history,
         error=str(result.error) if result.error else None,
-        run=run_name(trial_id) if trial_id else None,
+        run=metrics.get("run") or (run_name(trial_id) if trial_id else None),  # a PBT trial's newest run
     )

@@ -1,41 +1,53 @@
 """The DDP trainer as a Ray Tune function trainable: what a ``raytrain-mp tune`` trial runs, for a
-user's own ``tune.Tuner`` (their search space, searcher and scheduler).
+user's own ``tune.Tuner`` (their search space, searcher and scheduler, PBT included).
 
 Job: a trial's ``params`` (keys: ``DDPConfig`` field names, e.g. ``base_lr``, ``weight_decay``,
 ``label_smoothing``) become the trial's ``DDPConfig``, whose ``TorchTrainer`` (``ddp.trainer``) is
-fitted with Tune's ``TuneReportCallback``: every epoch's rank-0 metrics (``epoch``,
-``val_accuracy``, ``val_loss``, ``train_loss``, ``lr``, ...) and its checkpoint reach Tune, as in a
-``raytrain-mp tune`` trial.
+fitted on a thread of the trial while the trial hands every epoch's rank-0 metrics (``epoch``,
+``val_accuracy``, ``val_loss``, ``train_loss``, ``lr``, ..., and ``run``, the Train run's folder
+name) and its checkpoint to ``tune.report``. Ray Train's own ``TuneReportCallback`` passes metrics
+only, and a scheduler that exploits checkpoints (PBT) needs Tune to hold them.
 
 Invariants:
 - ``tune_trainable`` checks the template on the driver as ``raytrain-mp ddp`` checks its options
   (data set, model, the cluster's fit) before any trial; a trial's point is validated as the
   command validates it, so a bad point fails that trial with the option's one line.
-- A trial's Train run is ``<storage>/train-<trial id>`` (``run_name``): a trial that Tune restores
-  (``Tuner.restore``) continues from its run's newest checkpoint, with the ``ddp`` command's exact
-  resume, and a finished trial's run is never trained again.
+- A trial's Train runs are ``<storage>/train-<trial id>`` and, after each PBT exploit,
+  ``train-<trial id>-<n>`` started from a copy of the exploited checkpoint (``start_of``) under the
+  trial's perturbed options (``optim.load_under_own_options``). A trial that Tune restores
+  (``Tuner.restore``, a PBT pause) continues its newest run from that run's newest checkpoint,
+  with the ``ddp`` command's exact resume; a finished trial's run is never trained again.
+- Tune keeps a copy of each reported checkpoint in the trial's folder (its ``CheckpointConfig``
+  bounds how many); ``result.checkpoint`` is a plain checkpoint of ours, loadable as the run's.
 - The trial's own function mostly waits for its workers; it holds ``TRIAL_DRIVER_CPUS``. Ray Train
   places the workers outside the trial's resources, so Tune cannot count them: the caller caps
   ``max_concurrent_trials`` at what fits (``tune.config.trials_that_fit``; ray issue 54305), and
-  a trial Tune stops (a scheduler's decision, or the last epoch's report reaching ``max_t``) leaves
-  its workers' placement group behind unless the experiment runs ``ReleaseStoppedWorkerGroups``.
+  a trial Tune stops (a scheduler's decision, PBT's pause, or the last epoch's report reaching
+  ``max_t``) leaves its workers' placement group behind unless the experiment runs
+  ``ReleaseStoppedWorkerGroups``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
 from ray import tune
 from ray.core.generated import gcs_pb2
-from ray.tune.integration.ray_train import TuneReportCallback
+from ray.train import UserCallback
 from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.queue import Queue
 
 from raytrain_mp.config import absolute_path
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.trainer import build_trainer, with_checked_data, with_cluster_settings
+from raytrain_mp.storage import locate, publish_folder
 from raytrain_mp.tune.config import TRIAL_DRIVER_CPUS
 
 # Where and under which name a trial's run is written: the trainable's to choose, not a point's.
@@ -57,17 +69,83 @@ def trial_function(template: DDPConfig, experiment: str) -> Any:
 
 
 def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> None:
-    """Fit the trial's DDP run, reporting every epoch to Tune."""
+    """Fit the trial's DDP run, reporting every epoch's metrics and checkpoint to Tune.
+
+    The run is fitted on a thread of the trial while the trial's own thread hands its reports to
+    Tune: ``tune.report`` with a checkpoint must come from the trial's function, and Ray Train's
+    ``TuneReportCallback`` passes metrics only (a scheduler that exploits checkpoints, PBT, needs them)."""
     fields = {f.name for f in dataclasses.fields(DDPConfig)} - set(NOT_PER_POINT)
     unknown = sorted(set(params) - fields)
     if unknown:
         raise ValueError(
             f"param_space: {', '.join(unknown)} not DDPConfig options; accepted: {', '.join(sorted(fields))}"
         )
-    trial_id = tune.get_context().get_trial_id()
-    cfg = dataclasses.replace(template, **params, name=run_name(trial_id), storage_path=experiment)
+    cfg = dataclasses.replace(template, **params, storage_path=experiment)
+    cfg = dataclasses.replace(cfg, **start_of(tune.get_checkpoint(), tune.get_context(), experiment))
     cfg.validate()
-    build_trainer(cfg, callbacks=[TuneReportCallback()]).fit()
+    reports: Queue = Queue(1, actor_options={"num_cpus": 0})  # 1: the run waits until Tune has each report
+    failure: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            build_trainer(cfg, callbacks=[ReportToTrial(reports)]).fit()
+        except BaseException as exc:  # raised again on the trial's thread, where Tune records it
+            failure.append(exc)
+        finally:
+            reports.put(None)
+
+    thread = threading.Thread(target=fit, name=f"fit {cfg.name}", daemon=True)
+    thread.start()
+    while (report := reports.get()) is not None:
+        metrics, checkpoint = report
+        metrics = {**metrics, "run": cfg.name}
+        if checkpoint is None:
+            tune.report(metrics)
+        else:  # Tune keeps a copy in the trial's folder: PBT's exploit and Tune's restore start from it
+            tune.report(metrics, checkpoint=tune.Checkpoint(checkpoint.path, checkpoint.filesystem))
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+class ReportToTrial(UserCallback):
+    """In the Train run's controller: each report's rank-0 metrics and checkpoint, to the trial's thread."""
+
+    def __init__(self, reports: Queue) -> None:
+        self.reports = reports
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        self.reports.put((metrics[0], checkpoint))
+
+
+def start_of(checkpoint: tune.Checkpoint | None, context: Any, experiment: str) -> dict[str, Any]:
+    """The Train run a trial fits (``name``) and, for a new run from another trial's checkpoint,
+    where it starts (``resume_from``).
+
+    Without a Tune checkpoint, or with one of the trial's own (Tune restoring an interrupted or
+    paused trial), the trial's newest run continues from its own newest checkpoint, as a rerun of
+    the ``ddp`` command does. With another trial's checkpoint (PBT's exploit) the trial starts a
+    new run from a copy of it, ``train-<trial id>-<n>``, under the trial's (perturbed) options."""
+    own = run_name(context.get_trial_id())
+    folders = locate(experiment, "storage_path").folders(own, order=_generation)
+    runs = [name for name in (Path(f.path).name for f in folders) if name == own or name.startswith(f"{own}-")]
+    newest = runs[-1] if runs else own
+    if checkpoint is None or Path(checkpoint.path).parent.name == Path(context.get_trial_dir()).name:
+        return {"name": newest}
+    fork = f"{own}-{_generation(newest) + 1}"
+    start = locate(experiment, "storage_path").child(f"{fork}-start")
+    with checkpoint.as_directory() as exploited, tempfile.TemporaryDirectory() as scratch:
+        copy = shutil.copytree(exploited, Path(scratch) / "start")
+        publish_folder(copy, start)
+    return {"name": fork, "resume_from": start.uri}
+
+
+def _generation(name: str) -> int:
+    """1 for a trial's first run ``train-<id>``, n for its n-th ``train-<id>-<n>``; -1 for a fork's start copy."""
+    last = name.rsplit("-", 1)[-1]
+    if name.endswith("-start"):
+        return -1
+    return int(last) if last.isdigit() else 1
 
 
 def tune_trainable(config: DDPConfig, storage_path: str | None = None) -> Any:

@@ -135,14 +135,37 @@ BAD = [
     (["--lr-min", "0.1"], ["--lr-min: --lr-min and --lr-max go together"]),
     (["--lr-min", "0.1", "--lr-max", "1", "--base-lrs", "0.2"], ["--base-lrs: give either a grid", "not both"]),
     (["--lr-min", "0.1", "--lr-max", "1", "--num-samples", "0"], ["--num-samples: must be >= 1, got 0"]),
-    (["--num-samples", "4"], ["--num-samples: only with --lr-min/--lr-max"]),
+    (["--num-samples", "4"], ["--num-samples: a grid tries each value once; accepted: --num-samples with --search"]),
+    (["--search", "random", "--num-samples", "0", "--base-lrs", "0.1,0.2"], ["--num-samples: must be >= 1, got 0"]),
+    (["--search", "bayes"], ["--search", "invalid choice: 'bayes'"]),
+    (
+        ["--search", "optuna", "--global-batch-sizes", "64", "--base-lrs", "0.1"],
+        ["--search: optuna: nothing to choose, every grid has one value"],
+    ),
+    (
+        ["--scheduler", "pbt", "--base-lrs", "0.1", "--epochs", "3"],
+        ["--scheduler: pbt perturbs the lr and the weight decay, and neither varies"],
+    ),
+    (
+        ["--scheduler", "pbt", "--lr-min", "0.1", "--lr-max", "1", "--epochs", "1"],
+        ["--perturbation-interval: must be in [1, --epochs 1)"],
+    ),
+    (["--perturbation-interval", "2"], ["--perturbation-interval: only with --scheduler pbt, got --scheduler asha"]),
+    (
+        ["--scheduler", "pbt", "--base-lrs", "0.1,0.2", "--grace-period", "2"],
+        ["--grace-period: only with --scheduler asha, got --scheduler pbt"],
+    ),
+    (
+        ["--scheduler", "none", "--reduction-factor", "3"],
+        ["--reduction-factor: only with --scheduler asha, got --scheduler none"],
+    ),
     (["--optimizers", "sgd,lamb"], ["--optimizers: unknown value 'lamb'", "sgd, adamw"]),
     (["--warmup-epochs-grid", "1,-1"], ["--warmup-epochs-grid: must be >= 0, got -1.0"]),
     (["--weight-decays="], ["--weight-decays: the grid is empty"]),
     (["--weight-decays", "1e-4,-1e-4"], ["--weight-decays: must be >= 0, got -0.0001"]),
     (["--label-smoothings="], ["--label-smoothings: the grid is empty"]),
     (["--label-smoothings", "0,1"], ["--label-smoothings: must be in [0, 1), got 1.0"]),
-    (["--scheduler", "pbt"], ["--scheduler", "invalid choice: 'pbt'"]),
+    (["--scheduler", "hyperband"], ["--scheduler", "invalid choice: 'hyperband'"]),
     (["--metric", "train_loss"], ["--metric", "invalid choice: 'train_loss'"]),
     (["--grace-period", "3", "--epochs", "2"], ["--grace-period: must be in [1, --epochs 2], got 3"]),
     (["--reduction-factor", "1"], ["--reduction-factor: must be > 1"]),
@@ -332,3 +355,36 @@ def test_all_trials_failed_writes_the_table_but_no_best(tmp_path):
     out = write_outputs(rows, template, "val_accuracy", "max", str(tmp_path / "exp"))
     assert out["best"] is None and out["best_yaml"] is None
     assert pq.read_table(out["table_parquet"]).column("status").to_pylist() == ["error"]
+
+
+def test_random_and_optuna_search_spaces_and_what_pbt_perturbs(tmp_path):
+    from ray.tune.search.sample import Categorical, Float
+
+    from raytrain_mp.tune.search import optuna_population, param_space, scheduler, search_alg
+
+    grid = make(tmp_path, base_lrs="0.1,0.2", weight_decays="0,1e-4", epochs="3")
+    assert grid.num_trials() == 8 and search_alg(grid, 2) is None
+    assert param_space(grid)["base_lr"] == {"grid_search": [0.1, 0.2]}
+    ranged = make(tmp_path, search="random", lr_min="0.01", lr_max="1", num_samples="5", epochs="3")
+    space = param_space(ranged)
+    assert ranged.num_trials() == 5 and set(ranged.varying()) == {"global_batch_size", "base_lr"}
+    assert isinstance(space["base_lr"], Float) and (space["base_lr"].lower, space["base_lr"].upper) == (0.01, 1)
+    assert isinstance(space["global_batch_size"], Categorical) and space["global_batch_size"].categories == [64, 128]
+    assert (space["optimizer"], space["weight_decay"]) == ("sgd", DDPConfig.weight_decay)  # one value: fixed
+    assert search_alg(ranged, 2).max_concurrent == 2  # Tune would not apply max_concurrent_trials to it
+    pbt = make(tmp_path, search="optuna", scheduler="pbt", lr_min="0.01", lr_max="1", weight_decays="0,1e-4",
+               global_batch_sizes="64", num_samples="4", epochs="3", seed="7")  # fmt: skip
+    assert set(pbt.perturbed()) == {"base_lr", "weight_decay"}
+    mutations = scheduler(pbt)._hyperparam_mutations
+    assert set(mutations) == {"base_lr", "weight_decay"} and mutations["weight_decay"].categories == [0.0, 1e-4]
+    # Tune's PBT refuses a search algorithm: Optuna's seeded QMC draws the starting population instead
+    population = optuna_population(pbt)
+    assert len(population) == 4 and population == optuna_population(pbt)
+    assert all(set(p) == {"base_lr", "weight_decay"} and 0.01 <= p["base_lr"] <= 1 for p in population)
+    assert population != optuna_population(make(tmp_path, **{**vars_of(pbt), "seed": "8"}))
+    assert search_alg(pbt, 1)._points_to_evaluate == population
+
+
+def vars_of(cfg) -> dict[str, str]:
+    return dict(search=cfg.search, scheduler=cfg.scheduler, lr_min=str(cfg.lr_min), lr_max=str(cfg.lr_max),
+                weight_decays="0,1e-4", global_batch_sizes="64", num_samples="4", epochs="3")  # fmt: skip
