@@ -5,6 +5,7 @@ what is not a command's config, a trial's point names only ``DDPConfig`` options
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -61,16 +62,29 @@ def test_fit_trains_a_ddp_and_a_pipeline_run_from_python(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_users_own_tuner_runs_our_trainable(tmp_path):
+def test_a_users_own_tuner_runs_pbt_over_our_trainable(tmp_path):
     out = run_example(EXAMPLES[1], tmp_path)
-    (best,) = re.findall(r"^best (\{.*\}) (\S+) (\d+)$", out, re.M)
+    (best,) = re.findall(r"^best (\{.*\}) (\S+) (\d+) (\S+)$", out, re.M)
     config = eval(best[0])  # the printed dict of the best trial's point
-    assert set(config) == {"base_lr", "label_smoothing"} and 0.05 <= config["base_lr"] <= 0.8
-    assert config["label_smoothing"] in (0.0, 0.1) and 0 <= float(best[1]) <= 1 and int(best[2]) in (1, 2)
-    # each trial is a Train run of its own in the trainable's storage, with its checkpoints
-    runs = sorted((tmp_path / "work" / "sweep-runs").glob("train-*"))
-    assert len(runs) == 2 and all(list(run.glob("checkpoint_*/model.pt")) for run in runs)
-    assert (tmp_path / "work" / "sweeps" / "my-sweep").is_dir()
+    assert set(config) == {"base_lr", "label_smoothing"} and config["label_smoothing"] in (0.0, 0.1)
+    assert 0 <= float(best[1]) <= 1 and int(best[2]) == 3
+    # at epoch 2 (synch) the worse trial exploited the better: a second run of its own from a copy of
+    # the better trial's epoch-2 checkpoint, which trained epoch 3 under its perturbed lr
+    runs = tmp_path / "work" / "sweep-runs"
+    firsts = sorted(runs.glob("train-*_?????"))
+    (fork,) = runs.glob("train-*-2")
+    assert len(firsts) == 2 and all(list(run.glob("checkpoint_*/model.pt")) for run in firsts)
+    assert (runs / f"{fork.name}-start" / "model.pt").is_file() and list(fork.glob("checkpoint_*/model.pt"))
+    history = [
+        json.loads(line)
+        for line in (runs.parent / "sweeps" / "my-sweep")
+        .glob(f"run_trial_{fork.name.split('-')[1]}_*/result.json")
+        .__next__()
+        .read_text()
+        .splitlines()
+    ]
+    assert [row["epoch"] for row in history][-1] == 3 and history[-1]["run"] == fork.name
+    assert {row["run"] for row in history} == {fork.name.removesuffix("-2"), fork.name}
 
 
 def test_import_and_the_configs_load_neither_torch_nor_ray():

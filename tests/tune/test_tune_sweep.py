@@ -272,3 +272,30 @@ def test_a_failed_trial_is_recorded(small_digits, tmp_path):
     (row,) = pq.read_table(out["table_parquet"]).to_pylist()
     assert row["status"] == "error" and "injected fault: rank 0 after epoch 1" in row["error"]
     assert row["epochs_run"] <= 1 and Path(out["plot"]).is_file()
+
+
+def test_optuna_draws_the_population_pbt_perturbs_and_the_summary_names_the_best(ray_session, small_digits, tmp_path):
+    from raytrain_mp.config import build_config
+    from raytrain_mp.tune.config import TuneConfig
+    from raytrain_mp.tune.search import optuna_population
+
+    flags = {"global_batch_sizes": "64", "lr_min": "0.05", "lr_max": "0.8", "search": "optuna", "scheduler": "pbt",
+             "num_samples": "2", "epochs": "2", "num_workers": "1"}  # fmt: skip
+    argv = [part for name, value in flags.items() for part in (f"--{name.replace('_', '-')}", value)]
+    code, out = run_cli_result(
+        "tune", *argv, "--no-use-gpu", "--data", small_digits, "--storage-path", str(tmp_path), "--name", "pbt",
+        "--log-every", "0",
+    )  # fmt: skip
+    assert code == 0 and out["trials"] == 2 and out["trials_by_status"] == {"completed": 2}
+    experiment = tmp_path / "pbt"
+    # the starting points are the seeded QMC draws (Tune's PBT takes no searcher); a trial's first
+    # report carries its starting config (PBT rewrites params.json when it perturbs one)
+    starts = sorted(
+        json.loads(p.read_text().splitlines()[0])["config"]["base_lr"]
+        for p in experiment.glob("run_trial_*/result.json")
+    )
+    population = optuna_population(build_config(TuneConfig, {**flags, "storage_path": str(tmp_path)}))
+    assert starts == sorted(p["base_lr"] for p in population)
+    rows = pq.read_table(out["table_parquet"]).to_pylist()
+    assert out["best"]["trial"] == max(rows, key=lambda row: row["best_val_accuracy"])["trial"]
+    assert all(row["epochs_run"] == 2 and (experiment / row["run"]).is_dir() for row in rows)
