@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import random
 import typing
@@ -211,6 +212,11 @@ class SweepOptions:
 
     def _validate_search(self) -> None:
         defaults = SweepOptions()
+        check(
+            self.search != "optuna" or importlib.util.find_spec("optuna") is not None,
+            "search",
+            "optuna needs Optuna, which is not installed; accepted: pip install 'raytrain_mp[optuna]', or grid, random",
+        )
         check(
             self.search == "grid" or bool(self.varying()),
             "search",

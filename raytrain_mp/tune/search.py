@@ -24,10 +24,6 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
 from ray.tune.search import BasicVariantGenerator, Searcher
 
-from raytrain_mp.errors import UsageError
-
-OPTUNA_MISSING = "--search optuna needs Optuna, which is not installed; accepted: pip install 'raytrain_mp[optuna]'"
-
 
 def param_space(cfg: Any) -> dict[str, Any]:
     """The search space of ``cfg`` (a validated ``TuneConfig``) for ``tune.Tuner``."""
@@ -43,15 +39,6 @@ def distributions(cfg: Any) -> dict[str, Any]:
     if cfg.log_uniform:
         space["base_lr"] = tune.loguniform(cfg.lr_min, cfg.lr_max)
     return space
-
-
-def check_search_installed(search: str) -> None:
-    """A UsageError naming what to install, before Ray starts, if ``search`` needs a missing package."""
-    if search == "optuna":
-        try:
-            import optuna  # noqa: F401
-        except ImportError:
-            raise UsageError(OPTUNA_MISSING) from None
 
 
 def search_alg(cfg: Any, max_concurrent: int) -> Searcher | BasicVariantGenerator | None:

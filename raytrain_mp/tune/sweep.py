@@ -46,7 +46,7 @@ from raytrain_mp.tune.config import (
     concurrency,
 )
 from raytrain_mp.tune.report import TrialOutcome, table_rows, write_file, write_outputs
-from raytrain_mp.tune.search import check_search_installed, param_space, scheduler, search_alg
+from raytrain_mp.tune.search import param_space, scheduler, search_alg
 from raytrain_mp.tune.trainable import ReleaseStoppedWorkerGroups, run_name, trial_function
 
 
@@ -55,7 +55,6 @@ def prepared(cfg: Any) -> Any:
     run in their own folders) and the experiment named; needs no Ray. ``data`` stays as the user
     gave it (None: the built-in default), so ``sweep.yaml`` and ``best.yaml`` do not pin this
     machine's cache folder; ``run_sweep`` resolves it for the trials."""
-    check_search_installed(cfg.search)
     checked = with_checked_data(dataclasses.replace(cfg.template(), global_batch_size=min(cfg.global_batch_sizes)))
     data = checked.data
     train_count = read_meta(data).counts["train"]

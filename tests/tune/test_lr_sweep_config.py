@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.csv as pa_csv
@@ -388,3 +390,19 @@ def test_random_and_optuna_search_spaces_and_what_pbt_perturbs(tmp_path):
 def vars_of(cfg) -> dict[str, str]:
     return dict(search=cfg.search, scheduler=cfg.scheduler, lr_min=str(cfg.lr_min), lr_max=str(cfg.lr_max),
                 weight_decays="0,1e-4", global_batch_sizes="64", num_samples="4", epochs="3")  # fmt: skip
+
+
+def test_optuna_missing_is_one_line_before_anything_runs(tmp_path):
+    code = (
+        "import sys; sys.modules['optuna'] = None  # what an environment without Optuna imports\n"
+        "from raytrain_mp.cli import main\n"
+        f"sys.exit(main(['tune', '--search', 'optuna', '--lr-min', '0.1', '--lr-max', '1', '--storage-path', "
+        f"{str(tmp_path / 'runs')!r}]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.strip().splitlines() == [
+        "raytrain-mp: error: --search: optuna needs Optuna, which is not installed; accepted: pip install "
+        "'raytrain_mp[optuna]', or grid, random"
+    ]
+    assert not (tmp_path / "runs").exists()
