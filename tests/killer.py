@@ -30,7 +30,8 @@ def titled(prefix: str, root: int | None = None) -> dict[int, str]:
     found = {}
     for process in psutil.Process(root or os.getpid()).children(recursive=True):
         try:
-            title = process.cmdline()[0] if process.cmdline() else ""
+            cmdline = process.cmdline()  # once: a process that ends between two calls has an empty one
+            title = cmdline[0] if cmdline else ""
             if title.startswith(prefix) and process.status() != psutil.STATUS_ZOMBIE:
                 found[process.pid] = title
         except psutil.Error:  # it ended while we looked
