@@ -90,9 +90,10 @@ def scheduler(cfg: Any) -> ASHAScheduler | PopulationBasedTraining | None:
             time_attr="epoch", max_t=cfg.epochs, grace_period=cfg.grace_period, reduction_factor=cfg.reduction_factor
         )
     if cfg.scheduler == "pbt":
+        space = distributions(cfg)
         return PopulationBasedTraining(
             time_attr="epoch",
             perturbation_interval=cfg.perturbation_interval,
-            hyperparam_mutations={name: distributions(cfg)[name] for name in cfg.perturbed()},
+            hyperparam_mutations={name: space[name] for name in cfg.perturbed()},
         )
     return None

@@ -127,13 +127,14 @@ def start_of(checkpoint: tune.Checkpoint | None, context: Any, experiment: str) 
     the ``ddp`` command does. With another trial's checkpoint (PBT's exploit) the trial starts a
     new run from a copy of it, ``train-<trial id>-<n>``, under the trial's (perturbed) options."""
     own = run_name(context.get_trial_id())
-    folders = locate(experiment, "storage_path").folders(own, order=_generation)
+    root = locate(experiment, "storage_path")
+    folders = root.folders(own, order=_generation)
     runs = [name for name in (Path(f.path).name for f in folders) if name == own or name.startswith(f"{own}-")]
     newest = runs[-1] if runs else own
     if checkpoint is None or Path(checkpoint.path).parent.name == Path(context.get_trial_dir()).name:
         return {"name": newest}
     fork = f"{own}-{_generation(newest) + 1}"
-    start = locate(experiment, "storage_path").child(f"{fork}-start")
+    start = root.child(f"{fork}-start")
     with checkpoint.as_directory() as exploited, tempfile.TemporaryDirectory() as scratch:
         copy = shutil.copytree(exploited, Path(scratch) / "start")
         publish_folder(copy, start)
@@ -142,9 +143,9 @@ def start_of(checkpoint: tune.Checkpoint | None, context: Any, experiment: str) 
 
 def _generation(name: str) -> int:
     """1 for a trial's first run ``train-<id>``, n for its n-th ``train-<id>-<n>``; -1 for a fork's start copy."""
-    last = name.rsplit("-", 1)[-1]
     if name.endswith("-start"):
         return -1
+    last = name.rsplit("-", 1)[-1]
     return int(last) if last.isdigit() else 1
 
 
