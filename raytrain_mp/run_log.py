@@ -32,8 +32,8 @@ which is large and not a dependency; tensorboardX is already installed with Ray 
 synchronous ``EventsWriter`` is used rather than ``SummaryWriter``, whose background thread gives no
 way to know that an event reached the file before the file is published.
 
-MLflow is not written: it needs a tracking server or its own folder layout, and the CSV and the
-events already carry every number.
+With ``--mlflow`` the log's writer also sends each row to the run's MLflow run when it publishes
+(``tracking.Tracker``: each metric's steps once, also across attempts).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from tensorboardX.summary import scalar
 
 from raytrain_mp.plots import png_bytes, pyplot
 from raytrain_mp.storage import Location
+from raytrain_mp.tracking import Tracker
 
 METRICS_FILE = "metrics.csv"
 CURVES_FILE = "curves.png"
@@ -89,12 +90,18 @@ def read_rows(run: Location) -> list[dict[str, str]]:
 class RunLog:
     """The log of one attempt of a run at ``run`` that starts after ``start_step`` global steps of
     ``global_batch`` samples each (see the module's invariants); ``lr_at(s)``: the lr the step from
-    0 ``s`` trains with (the run's ``LRSchedule``), for ``curves.png``."""
+    0 ``s`` trains with (the run's ``LRSchedule``), for ``curves.png``; ``tracker``: the run's
+    MLflow run (``--mlflow``), which gets every row published."""
 
     def __init__(
-        self, run: Location, start_step: int, global_batch: int, lr_at: Callable[[int], float] | None = None
+        self,
+        run: Location,
+        start_step: int,
+        global_batch: int,
+        lr_at: Callable[[int], float] | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
-        self.run, self.global_batch, self.lr_at = run, global_batch, lr_at
+        self.run, self.global_batch, self.lr_at, self.tracker = run, global_batch, lr_at, tracker
         self.rows = [row for row in read_rows(run) if int(row["global_step"]) <= start_step]
         self._published = -1  # rows published so far (-1: not even the truncation)
         self._local = tempfile.TemporaryDirectory(prefix="raytrain-log-")  # removed with the log, also an abandoned one
@@ -155,6 +162,8 @@ class RunLog:
             "events.out.tfevents.*"
         )  # tensorboardX names it (time, host, our suffix)
         self.run.child(events.name).write_bytes(events.read_bytes())
+        if self.tracker is not None:
+            self.tracker.log(self.rows[max(self._published, 0) :])
         self._published = len(self.rows)
 
     def draw(self) -> None:

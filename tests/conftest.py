@@ -17,7 +17,8 @@ grow with the GPUs (``helpers.session_cpus``), and tests that count either read 
 
 Object storage is a real S3 protocol server (moto's server mode) on 127.0.0.1, started once per
 session by the tests that ask (``s3_endpoint``); its credentials are set here, before any Ray
-process starts, so Ray's workers inherit them.
+process starts, so Ray's workers inherit them. MLflow tracking is a real ``mlflow server`` on
+127.0.0.1 with a SQLite store (``mlflow_server``), started once per session by the tests that ask.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import os
 import pytest
 
 # Their asserts show the values compared when they fail, as a test module's do.
-pytest.register_assert_rewrite("helpers", "run_log_check", "simulated_cluster")
+pytest.register_assert_rewrite("helpers", "mlflow_check", "run_log_check", "simulated_cluster")
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -60,6 +61,40 @@ def s3_endpoint() -> str:
     server.start()
     yield f"127.0.0.1:{port}"
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory) -> str:
+    """The tracking URI of a real ``mlflow server`` on 127.0.0.1 (SQLite store, its artifacts
+    proxied into a folder of its own) for this session."""
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    from helpers import closed_port
+
+    root = tmp_path_factory.mktemp("mlflow")
+    port = closed_port()
+    server = subprocess.Popen(
+        ["mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts")],
+        stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "wb"), start_new_session=True,
+    )  # fmt: skip
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        assert server.poll() is None and time.monotonic() < deadline, (root / "server.log").read_text()[-3000:]
+        time.sleep(0.5)
+    yield uri
+    os.killpg(server.pid, signal.SIGTERM)
+    server.wait(timeout=30)
 
 
 @pytest.fixture

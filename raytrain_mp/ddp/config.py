@@ -10,12 +10,13 @@ import dataclasses
 from raytrain_mp.config import TrainOptions, check, check_choice, option
 from raytrain_mp.data.recipe_options import RecipeOptions
 from raytrain_mp.ddp.elastic import check_world_sizes, parse_worker_range
+from raytrain_mp.tracking import TrackingOptions
 
 DDP_PLACEMENTS = ("PACK", "SPREAD")
 
 
 @dataclasses.dataclass
-class DDPConfig(RecipeOptions, TrainOptions):
+class DDPConfig(TrackingOptions, RecipeOptions, TrainOptions):
     FAULTS_AT_STEPS = True  # --inject-fault also takes sSTEP: after a global step
 
     num_workers: int | str = option(

@@ -81,6 +81,7 @@ from raytrain_mp.optim import build_optimizer, load_under_own_options
 from raytrain_mp.progress import Progress
 from raytrain_mp.run_log import RunLog
 from raytrain_mp.storage import join, locate, name_of
+from raytrain_mp.tracking import Tracker
 from raytrain_mp.views import Views
 
 
@@ -111,7 +112,13 @@ def train_loop_per_worker(config: dict) -> None:
         )
         run = locate(cfg.storage_path, "--storage-path").child(cfg.name)
         # metrics.csv, TensorBoard, curves.png (its lr panel: the schedule at every step)
-        worker.log = RunLog(run, start_step, cfg.global_batch_size, schedule_for(cfg, data.steps_per_epoch))
+        worker.log = RunLog(
+            run,
+            start_step,
+            cfg.global_batch_size,
+            schedule_for(cfg, data.steps_per_epoch),
+            Tracker.of(cfg, warn=lambda line: worker.out.say(f"warning: {line}")),  # --mlflow
+        )
     worker.progress = Progress(cfg.epochs, data.steps_per_epoch, cfg.global_batch_size, start_step, cfg.log_every)
 
     for epoch in range(start_epoch, cfg.epochs):

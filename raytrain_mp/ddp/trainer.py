@@ -30,7 +30,7 @@ from ray.train import (
 )
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raytrain_mp.checkpointing import EMA_FILE, MODEL_FILE, write_result
+from raytrain_mp.checkpointing import EMA_FILE, MODEL_FILE, published_checkpoints, write_result
 from raytrain_mp.cluster import check_fits, environment, resolve_use_gpu, train_log_level
 from raytrain_mp.config import absolute_path
 from raytrain_mp.data import read_meta
@@ -44,6 +44,7 @@ from raytrain_mp.faults import first_line, short_cause
 from raytrain_mp.interruption import Interrupted, carried_signal
 from raytrain_mp.progress import Console, note
 from raytrain_mp.storage import check_reachable, join, locate, name_of
+from raytrain_mp.tracking import tracked
 
 
 def with_checked_data(cfg: DDPConfig) -> DDPConfig:
@@ -152,19 +153,22 @@ def run_ddp(cfg: DDPConfig) -> dict:
     cfg = with_cluster_settings(cfg)
     run = locate(cfg.storage_path, "--storage-path").child(cfg.name)
     watch = Watch(cfg.name, Console(quiet=cfg.quiet))
-    try:
-        with environment(controller_env(cfg)):
-            summary = summarize(watch.fit(build_trainer(cfg).fit), cfg)
-    except TrainingFailedError as exc:  # Ray Train used up --max-failures restarts
-        raise RunFailedError.after_restarts(training_failure(exc), cfg.max_failures, cfg.max_failures) from None
-    except (Interrupted, SystemError) as exc:
-        interrupted = carried_signal(exc)
-        if interrupted is None:
-            raise
-        interrupted.at, interrupted.run = watch.position, run
-        raise interrupted from None
-    finally:
-        watch.console.end_line()  # what follows (a traceback, the interrupt's line) starts on a line of its own
+    # Ray Train resumes the run from its newest published checkpoint: its MLflow run goes on too.
+    with tracked(cfg, run, "ddp", resumes=bool(published_checkpoints(run)[1])) as mlflow:
+        try:
+            with environment(controller_env(mlflow.config)):
+                summary = summarize(watch.fit(build_trainer(mlflow.config).fit), cfg)
+        except TrainingFailedError as exc:  # Ray Train used up --max-failures restarts
+            raise RunFailedError.after_restarts(training_failure(exc), cfg.max_failures, cfg.max_failures) from None
+        except (Interrupted, SystemError) as exc:
+            interrupted = carried_signal(exc)
+            if interrupted is None:
+                raise
+            interrupted.at, interrupted.run = watch.position, run
+            raise interrupted from None
+        finally:
+            watch.console.end_line()  # what follows (a traceback, the interrupt's line) starts on a line of its own
+        mlflow.checkpoint = summary["checkpoint"]
     write_result(run, summary)
     meta = read_meta(cfg.data)
     note(running_stats_note(cfg, meta, (summary["epochs"] or 0) * (meta.counts["train"] // cfg.global_batch_size)))

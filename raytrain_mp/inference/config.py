@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from raytrain_mp.config import check, check_choice, check_local, check_writable, option
+from raytrain_mp.tracking import TrackingOptions
 
 CHECKPOINT_HELP = (
     "a run folder (its newest complete checkpoint), a checkpoint folder (holding model.pt and config.yaml), "
@@ -29,9 +30,16 @@ def check_file_writable(name: str, path: str) -> None:
 
 
 @dataclasses.dataclass
-class EvalConfig:
-    """``raytrain-mp eval``: exact evaluation of a checkpoint on a split, on Ray Train workers."""
+class EvalConfig(TrackingOptions):
+    """``raytrain-mp eval``: exact evaluation of a checkpoint on a split, on Ray Train workers;
+    ``--mlflow``: its outputs as artifacts of the MLflow run of the checkpoint's run."""
 
+    mlflow: bool = option(
+        False,
+        "also log eval.json, confusion.png and predictions.csv to the MLflow run of the checkpoint's run (eval/OUT/), "
+        "at MLFLOW_TRACKING_URI; a new MLflow run when it has none",
+        group="output",
+    )
     checkpoint: str = option("", CHECKPOINT_HELP, group="checkpoints")
     ema: bool = option(False, EMA_HELP, group="checkpoints")
     data: str | None = option(
@@ -53,6 +61,7 @@ class EvalConfig:
     json: bool = False
 
     def validate(self) -> None:
+        super().validate()
         check(bool(self.checkpoint), "checkpoint", "required: a run folder, a checkpoint folder, or a URI of either")
         check_choice(self, "split")
         check(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
@@ -77,6 +86,7 @@ class PredictConfig:
     json: bool = False
 
     def validate(self) -> None:
+        super().validate()
         check(bool(self.checkpoint), "checkpoint", "required: a run folder, a checkpoint folder, or a URI of either")
         check(bool(self.files), "files", "required: one or more image files or folders")
         check(self.top_k >= 1, "top_k", f"must be >= 1, got {self.top_k}")
@@ -106,6 +116,7 @@ class ExportConfig:
     json: bool = False
 
     def validate(self) -> None:
+        super().validate()
         check(bool(self.checkpoint), "checkpoint", "required: a run folder, a checkpoint folder, or a URI of either")
         check_choice(self, "format")
         check(bool(self.out), "out", "required: the local file to write")

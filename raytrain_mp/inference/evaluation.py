@@ -46,6 +46,7 @@ from raytrain_mp.inference.config import EvalConfig
 from raytrain_mp.inference.report import default_out, write_eval_outputs
 from raytrain_mp.progress import note
 from raytrain_mp.storage import name_of
+from raytrain_mp.tracking import log_outputs
 from raytrain_mp.views import Views
 
 BATCH = 64  # the trainers' validation batch (ddp: max(micro-batch, 64)): the same sums, in the same order per rank
@@ -185,4 +186,9 @@ def run_eval(cfg: EvalConfig) -> dict:
         note(running_stats_note(run.options, run.meta, run.steps_trained))
     meta = read_meta(cfg.data)
     dataset = ParquetImageDataset(cfg.data, cfg.split, meta=meta)
-    return write_eval_outputs(cfg, run, metrics, meta.class_names, dataset.labels, dataset.ids)
+    summary = write_eval_outputs(cfg, run, metrics, meta.class_names, dataset.labels, dataset.ids)
+    # --mlflow: into the MLflow run of the checkpoint's run folder, eval/<out folder>/...
+    run_folder = run.checkpoint.rstrip("/").rsplit("/", 1)[0]
+    outputs = [summary[key] for key in ("eval", "confusion_png", "predictions")]
+    log_outputs(cfg, run_folder, f"eval {name_of(run.checkpoint)}", outputs, f"eval/{name_of(cfg.out)}")
+    return summary

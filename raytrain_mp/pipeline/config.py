@@ -14,6 +14,7 @@ from raytrain_mp.data.recipe_options import RecipeOptions
 from raytrain_mp.errors import OptionError
 from raytrain_mp.pipeline.layouts import MEMORY_FORMATS, PLACEMENT_STRATEGIES
 from raytrain_mp.pipeline.schedule import SCHEDULES
+from raytrain_mp.tracking import TrackingOptions
 
 if TYPE_CHECKING:  # the spec loads torch; this module loads neither torch nor Ray
     from raytrain_mp.pipeline.spec import PipelineSpec
@@ -40,7 +41,7 @@ BALANCES = ("time", "params", "none")
 
 
 @dataclasses.dataclass
-class PipelineConfig(RecipeOptions, TrainOptions):
+class PipelineConfig(TrackingOptions, RecipeOptions, TrainOptions):
     precision: str = option("fp32", "fp32 | bf16 (autocast) | fp64 (verification)", ("fp32", "bf16", "fp64"))
     stages: int = option(2, "pipeline stages, one Ray actor each")
     replicas: int = option(

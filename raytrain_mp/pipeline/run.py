@@ -68,6 +68,7 @@ from raytrain_mp.checkpointing import (
     load_ema,
     load_train_state,
     publish_checkpoint,
+    published_checkpoints,
     resumed_at,
     set_rng_states,
     write_result,
@@ -93,12 +94,12 @@ from raytrain_mp.pipeline.config import FLAG_OF_ARGUMENT, PipelineConfig
 from raytrain_mp.pipeline.feed import StageData
 from raytrain_mp.pipeline.partition import check_stage_count, split_bounds
 from raytrain_mp.pipeline.replicas import replica_and_stage
-from raytrain_mp.pipeline.schedule import stage_times_bubble
-from raytrain_mp.pipeline.stats import StepStats
+from raytrain_mp.pipeline.stats import describe_stage_times, stage_time_metrics
 from raytrain_mp.pipeline.trials import BalanceTrial
 from raytrain_mp.progress import Console, Progress, note
 from raytrain_mp.run_log import RunLog
 from raytrain_mp.storage import Location, check_reachable, latest_complete, locate
+from raytrain_mp.tracking import Tracker, tracked
 
 
 def with_checked_inputs(cfg: PipelineConfig) -> PipelineConfig:
@@ -221,65 +222,69 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
     failures = 0
     progress = None  # the attempt's, once it trains
-    try:
-        while True:
-            # A rerun of the same name, or a restart after a stage failure, continues from the newest checkpoint.
-            resume = resume_point(cfg)
-            position, carried, optimizer_states, ema_state = (0, 0), 0.0, None, None
-            if resume is not None:
-                (model_state, train_state), ema_state = load_checkpoint(resume), load_ema(resume)
-                model.load_state_dict(model_state, strict=True)
-                optimizer_states = train_state["optimizer"]
-                set_rng_states(train_state["rng"])
-                position, carried = resumed_at(train_state, steps_per_epoch, 0.0)
-                at = f" step {position[1] + 1}" if position[1] else ""
-                console.say(f"resuming from {resume.uri} at epoch {position[0] + 1}{at}")
-            steps_done = position[0] * steps_per_epoch + position[1]
-            # Every phase an actor can be lost in counts against --max-failures: the stages' start,
-            # balance trials, loading the optimizer state, steps, evaluation and checkpoints alike.
-            try:
+    # A rerun continues the run from its newest checkpoint: its MLflow run goes on too.
+    with tracked(cfg, run, "pipeline", resumes=bool(published_checkpoints(run)[1])) as mlflow:
+        cfg = mlflow.config
+        try:
+            while True:
+                # A rerun of the same name, or a restart after a stage failure, continues from the newest checkpoint.
+                resume = resume_point(cfg)
+                position, carried, optimizer_states, ema_state = (0, 0), 0.0, None, None
+                if resume is not None:
+                    (model_state, train_state), ema_state = load_checkpoint(resume), load_ema(resume)
+                    model.load_state_dict(model_state, strict=True)
+                    optimizer_states = train_state["optimizer"]
+                    set_rng_states(train_state["rng"])
+                    position, carried = resumed_at(train_state, steps_per_epoch, 0.0)
+                    at = f" step {position[1] + 1}" if position[1] else ""
+                    console.say(f"resuming from {resume.uri} at epoch {position[0] + 1}{at}")
+                steps_done = position[0] * steps_per_epoch + position[1]
+                # Every phase an actor can be lost in counts against --max-failures: the stages' start,
+                # balance trials, loading the optimizer state, steps, evaluation and checkpoints alike.
                 try:
-                    trainer = make_trainer(cfg, model, schedule(steps_done), sample, data)
-                except OptionError as exc:
-                    raise exc.named(FLAG_OF_ARGUMENT) from None
-                try:
-                    # Restarts keep this cut, also before the first checkpoint; it is settled, so no more trials.
-                    cfg = dataclasses.replace(
-                        cfg, split_points=[plan.blocks[0] for plan in trainer.plan[1:]], balance_trials=0
-                    )
-                    if optimizer_states is not None:
-                        trainer.load_optimizer_state_dicts(optimizer_states)
-                    if cfg.model_ema and ema_state is not None:  # else the average starts anew at the next update
-                        trainer.load_state_dict(ema_state, average=True, averaged=train_state["ema_averaged"])
-                    trainer.steps_done = steps_done
-                    print_placement(trainer, console)
-                    progress = Progress(cfg.epochs, steps_per_epoch, cfg.global_batch_size, steps_done, cfg.log_every)
-                    summary = train_epochs(cfg, trainer, schedule, position, carried, run, progress, console)
-                    result = {**summary, **placement_summary(trainer), "run": run.uri}
-                    write_result(run, result)
-                    console.end_line()
-                    note(convergence_note(model, cfg.epochs * steps_per_epoch))
-                    return result
-                finally:
-                    trainer.shutdown()
-            except StageFailedError as exc:
-                if cfg.max_failures != -1 and failures >= cfg.max_failures:
-                    raise RunFailedError.after_restarts(str(exc), failures, cfg.max_failures) from None
-                failures += 1
-                of = "unlimited" if cfg.max_failures == -1 else cfg.max_failures
-                console.say(f"{exc}; restarting the stages from the last checkpoint ({failures}/{of})")
-                if (
-                    cfg.verbose and exc.__cause__ is not None
-                ):  # Ray's whole account of the failure, which the line above sums up
-                    console.say(str(exc.__cause__))
-    except (Interrupted, SystemError) as exc:
-        interrupted = carried_signal(exc)
-        if interrupted is None:
-            raise
-        interrupted.at, interrupted.run = progress.at if progress else None, run
-        raise interrupted from None
-    finally:
-        console.end_line()  # what follows (a traceback, the interrupt's line) starts on a line of its own
+                    try:
+                        trainer = make_trainer(cfg, model, schedule(steps_done), sample, data)
+                    except OptionError as exc:
+                        raise exc.named(FLAG_OF_ARGUMENT) from None
+                    try:
+                        # Restarts keep this cut, also before the first checkpoint; it is settled, so no more trials.
+                        cfg = dataclasses.replace(
+                            cfg, split_points=[plan.blocks[0] for plan in trainer.plan[1:]], balance_trials=0
+                        )
+                        if optimizer_states is not None:
+                            trainer.load_optimizer_state_dicts(optimizer_states)
+                        if cfg.model_ema and ema_state is not None:  # else the average starts anew at the next update
+                            trainer.load_state_dict(ema_state, average=True, averaged=train_state["ema_averaged"])
+                        trainer.steps_done = steps_done
+                        print_placement(trainer, console)
+                        progress = Progress(
+                            cfg.epochs, steps_per_epoch, cfg.global_batch_size, steps_done, cfg.log_every
+                        )
+                        summary = train_epochs(cfg, trainer, schedule, position, carried, run, progress, console)
+                        result = {**summary, **placement_summary(trainer), "run": run.uri}
+                        write_result(run, result)
+                        console.end_line()
+                        note(convergence_note(model, cfg.epochs * steps_per_epoch))
+                        mlflow.checkpoint = result["checkpoint"]
+                        return result
+                    finally:
+                        trainer.shutdown()
+                except StageFailedError as exc:
+                    if cfg.max_failures != -1 and failures >= cfg.max_failures:
+                        raise RunFailedError.after_restarts(str(exc), failures, cfg.max_failures) from None
+                    failures += 1
+                    of = "unlimited" if cfg.max_failures == -1 else cfg.max_failures
+                    console.say(f"{exc}; restarting the stages from the last checkpoint ({failures}/{of})")
+                    if cfg.verbose and exc.__cause__ is not None:  # Ray's whole account, which the line sums up
+                        console.say(str(exc.__cause__))
+        except (Interrupted, SystemError) as exc:
+            interrupted = carried_signal(exc)
+            if interrupted is None:
+                raise
+            interrupted.at, interrupted.run = progress.at if progress else None, run
+            raise interrupted from None
+        finally:
+            console.end_line()  # what follows (a traceback, the interrupt's line) starts on a line of its own
 
 
 def placement_summary(trainer: PipelineTrainer) -> dict:
@@ -340,27 +345,6 @@ def averages_evaluation(trainer: PipelineTrainer) -> dict:
     return {f"{key}_ema": evaluation[key] for key in ("val_loss", "val_accuracy")}
 
 
-def stage_time_metrics(stats: StepStats, cfg: PipelineConfig) -> dict:
-    """Each rank's computing seconds per step (the first replica's), and for the flat schedules the
-    bubble those stage times alone would leave (``schedule.bubble_for_stage_times``): the measured
-    bubble minus it is what transfers and calls cost, the rest is the cut's imbalance."""
-    steps = max(stats.steps, 1)
-    busy, forward = stats.busy_seconds[: cfg.stages], stats.forward_busy_seconds[: cfg.stages]
-    metrics = {"stage_seconds_per_step": [seconds / steps for seconds in busy]}
-    predicted = stage_times_bubble(cfg.schedule, busy, cfg.microbatches, forward) if stats.steps else None
-    if predicted is not None:  # fill-drain schedules count their phases apart
-        metrics["bubble_for_stage_times"] = predicted
-    return metrics
-
-
-def describe_stage_times(metrics: dict) -> str:
-    seconds = "/".join(f"{s:.3f}" for s in metrics["stage_seconds_per_step"])
-    predicted = metrics.get("bubble_for_stage_times")
-    return f" (stage times {seconds} s/step" + (
-        f", which predict bubble {predicted:.3f})" if predicted is not None else ")"
-    )
-
-
 def train_epochs(
     cfg,
     trainer,
@@ -378,7 +362,8 @@ def train_epochs(
     checkpoint = latest_complete(run, CHECKPOINT_PREFIX, checkpoint_order)
     steps_per_epoch = trainer.steps_per_epoch
     start_epoch, start_step = position
-    log = RunLog(run, start_epoch * steps_per_epoch + start_step, cfg.global_batch_size, schedule)
+    tracker = Tracker.of(cfg, warn=lambda line: console.say(f"warning: {line}"))  # --mlflow
+    log = RunLog(run, start_epoch * steps_per_epoch + start_step, cfg.global_batch_size, schedule, tracker)
     fault = FaultSpec.parse(cfg.inject_fault)
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
@@ -415,7 +400,7 @@ def train_epochs(
             **(averages_evaluation(trainer) if cfg.model_ema else {}),
             "samples_per_second": (steps_per_epoch - first) * cfg.global_batch_size / elapsed,
             "bubble_fraction": stats.bubble_fraction,
-            **stage_time_metrics(stats, cfg),
+            **stage_time_metrics(stats, cfg.schedule, cfg.stages, cfg.microbatches),
             "lr": schedule(epoch * steps_per_epoch + steps_per_epoch - 1),
         }
         if not math.isfinite(metrics["train_loss"]):

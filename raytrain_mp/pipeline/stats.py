@@ -17,6 +17,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from raytrain_mp.pipeline.schedule import stage_times_bubble
+
 
 @dataclasses.dataclass(frozen=True)
 class StepStats:
@@ -75,3 +77,25 @@ class StepTimes:
             forward_busy_seconds=list(self._forward_busy),
             bubble_fraction=1 - sum(self._busy) / (len(self._busy) * wall) if wall > 0 else 0.0,
         )
+
+
+def stage_time_metrics(stats: StepStats, schedule: str, stages: int, microbatches: int) -> dict:
+    """Each rank's computing seconds per step (the first replica's), and for the flat schedules the
+    bubble those stage times alone would leave (``schedule.bubble_for_stage_times``): the measured
+    bubble minus it is what transfers and calls cost, the rest is the cut's imbalance."""
+    steps = max(stats.steps, 1)
+    busy, forward = stats.busy_seconds[:stages], stats.forward_busy_seconds[:stages]
+    metrics = {"stage_seconds_per_step": [seconds / steps for seconds in busy]}
+    predicted = stage_times_bubble(schedule, busy, microbatches, forward) if stats.steps else None
+    if predicted is not None:  # fill-drain schedules count their phases apart
+        metrics["bubble_for_stage_times"] = predicted
+    return metrics
+
+
+def describe_stage_times(metrics: dict) -> str:
+    """The epoch line's account of ``stage_time_metrics``."""
+    seconds = "/".join(f"{s:.3f}" for s in metrics["stage_seconds_per_step"])
+    predicted = metrics.get("bubble_for_stage_times")
+    return f" (stage times {seconds} s/step" + (
+        f", which predict bubble {predicted:.3f})" if predicted is not None else ")"
+    )

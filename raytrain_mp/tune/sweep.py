@@ -39,13 +39,22 @@ from raytrain_mp.ddp.trainer import (
 from raytrain_mp.errors import UsageError
 from raytrain_mp.progress import note
 from raytrain_mp.storage import join, locate
+from raytrain_mp.tracking import end_children, tracked
 from raytrain_mp.tune.config import (
     PER_TRIAL,
     SWEEP_FILE,
     TRIAL_DRIVER_CPUS,
     concurrency,
 )
-from raytrain_mp.tune.report import TrialOutcome, table_rows, write_file, write_outputs
+from raytrain_mp.tune.report import (
+    BEST_FILE,
+    PLOT_FILE,
+    TABLE_NAME,
+    TrialOutcome,
+    table_rows,
+    write_file,
+    write_outputs,
+)
 from raytrain_mp.tune.search import param_space, scheduler, search_alg
 from raytrain_mp.tune.trainable import ReleaseStoppedWorkerGroups, run_name, trial_function
 
@@ -105,14 +114,29 @@ def run_sweep(cfg: Any) -> dict[str, Any]:
             f"note: pbt runs {max_concurrent} of the {cfg.num_trials()} trials at once (what fits), and a trial "
             "exploits only those running beside it; give the cluster more CPUs or run fewer trials"
         )
+    experiment = cfg.resume or join(cfg.storage_path, cfg.name)
+    # --mlflow: the sweep is a parent run, each trial's run its child (tune.trainable); --resume continues them.
+    files = (f"{TABLE_NAME}.csv", PLOT_FILE, BEST_FILE)
+    with tracked(cfg, locate(experiment, "--storage-path"), "tune", resumes=bool(cfg.resume), files=files) as mlflow:
+        try:
+            return sweep_trials(cfg, mlflow.config, experiment, use_gpu, max_concurrent)
+        finally:
+            end_children(mlflow.config)
+
+
+def sweep_trials(cfg: Any, tracked_cfg: Any, experiment: str, use_gpu: bool, max_concurrent: int) -> dict[str, Any]:
+    """Run the sweep's trials and write its outputs (``run_sweep``); ``tracked_cfg``: ``cfg`` with
+    its MLflow run, which the trials' runs go under."""
     # The trials' template holds this machine's state (use_gpu, the data's cache folder); the
     # outputs' best.yaml is built from cfg.template(), the options as the user gave them.
     template = dataclasses.replace(
         with_cluster_settings(dataclasses.replace(cfg.template(), use_gpu=use_gpu)),
         name=None,
         data=absolute_path(resolve_dataset(cfg.data)),
+        mlflow_run_id=None,
+        mlflow_tracking_uri=tracked_cfg.mlflow_tracking_uri,
+        mlflow_parent_run_id=tracked_cfg.mlflow_run_id,
     )
-    experiment = cfg.resume or join(cfg.storage_path, cfg.name)
     trainable = trial_function(template, experiment)
     if cfg.resume:
         tuner = tune.Tuner.restore(cfg.resume, trainable, resume_unfinished=True, resume_errored=False)

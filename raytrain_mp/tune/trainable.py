@@ -48,6 +48,7 @@ from raytrain_mp.config import absolute_path
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.trainer import build_trainer, with_checked_data, with_cluster_settings
 from raytrain_mp.storage import locate, publish_folder
+from raytrain_mp.tracking import tracked
 from raytrain_mp.tune.config import TRIAL_DRIVER_CPUS
 
 # Where and under which name a trial's run is written: the trainable's to choose, not a point's.
@@ -83,8 +84,23 @@ def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> N
     cfg = dataclasses.replace(template, **params, storage_path=experiment)
     cfg = dataclasses.replace(cfg, **start_of(tune.get_checkpoint(), tune.get_context(), experiment))
     cfg.validate()
+    root = locate(experiment, "storage_path")
+    # --mlflow: one MLflow run a trial (a child of the sweep's), whichever of its Train runs trains.
+    first = root.child(run_name(tune.get_context().get_trial_id())).uri
+    with tracked(cfg, root.child(cfg.name), "tune trial", resumes=True, key=first) as mlflow:
+        last = fit_reporting(mlflow.config)
+        mlflow.checkpoint = last[1].path if last and last[1] else None
+    # Only now: Tune may end the trial as soon as it has the last epoch (its scheduler's max_t).
+    if last is not None:
+        tune_report(cfg, *last)
+
+
+def fit_reporting(cfg: DDPConfig) -> tuple[dict, Any] | None:
+    """Fit ``cfg``'s run on a thread, handing each report to ``tune.report`` from this thread but
+    the last epoch's, which it returns (metrics, checkpoint) once the run has ended."""
     reports: Queue = Queue(1, actor_options={"num_cpus": 0})  # 1: the run waits until Tune has each report
     failure: list[BaseException] = []
+    last = None
 
     def fit() -> None:
         try:
@@ -97,15 +113,24 @@ def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> N
     thread = threading.Thread(target=fit, name=f"fit {cfg.name}", daemon=True)
     thread.start()
     while (report := reports.get()) is not None:
-        metrics, checkpoint = report
-        metrics = {**metrics, "run": cfg.name}
-        if checkpoint is None:
-            tune.report(metrics)
-        else:  # Tune keeps a copy in the trial's folder: PBT's exploit and Tune's restore start from it
-            tune.report(metrics, checkpoint=tune.Checkpoint(checkpoint.path, checkpoint.filesystem))
+        if report[0].get("epoch") == cfg.epochs:
+            last = report
+        else:
+            tune_report(cfg, *report)
     thread.join()
     if failure:
         raise failure[0]
+    return last
+
+
+def tune_report(cfg: DDPConfig, metrics: dict, checkpoint: Any) -> None:
+    """A report of the run to Tune; Tune keeps a copy of its checkpoint in the trial's folder
+    (PBT's exploit and Tune's restore start from it)."""
+    metrics = {**metrics, "run": cfg.name}
+    if checkpoint is None:
+        tune.report(metrics)
+    else:
+        tune.report(metrics, checkpoint=tune.Checkpoint(checkpoint.path, checkpoint.filesystem))
 
 
 class ReportToTrial(UserCallback):

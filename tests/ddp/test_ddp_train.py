@@ -11,7 +11,8 @@ run carries several tests' checks where it can:
   CPUs, the session's Ray has 4 where there is no GPU)
   step checkpoints every 2 steps: 2 workers crashing after step 8 (mid-epoch 2) and restarting
   (also the 2-worker run of the world-size invariance) | 2 workers crashing there with no restart
-  left, rerun with 1 worker
+  left, rerun with 1 worker; these log to MLflow (a real ``mlflow server``), and an eval of the
+  rerun adds its outputs there
   one-step synthetic set (val size 25): fp32 on 1 | 2 | 3 workers, fp64 on 1
 """
 
@@ -25,7 +26,8 @@ import torch
 
 from raytrain_mp.models import build_model
 
-from helpers import load_model_pt, max_abs_diff, run_cli_json, write_digits_cut
+from helpers import load_model_pt, max_abs_diff, run_cli_json, run_cli_text, write_digits_cut
+from mlflow_check import artifacts, assert_tracks_folder, runs_of
 from run_log_check import checked_run_log
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # fp64 and fp32 DDP runs
@@ -232,26 +234,26 @@ def test_resume_after_crash_equals_uninterrupted_run(loader_runs):
 
 
 @pytest.fixture(scope="module")
-def step_runs(fp64_one, fp64_data, storage, tmp_path_factory):
+def step_runs(fp64_one, fp64_data, storage, tmp_path_factory, mlflow_server):
     """Crashes after global step 8 of 10 (step 3 of epoch 2), checkpointed every 2 steps: "two", 2
     workers restarted by Ray Train (the 2-worker run of test_world_size_invariance_fp64 too); 2
-    workers with no restart left, rerun with 1 worker. The uninterrupted run they end as is "one"."""
+    workers with no restart left, rerun with 1 worker. The uninterrupted run they end as is "one".
+    All three log to MLflow (``MLFLOW_TRACKING_URI``, experiment ``ddp-steps``)."""
     from helpers import run_cli_text
 
     marker, marker_fail = (tmp_path_factory.mktemp("fault") / "crashed" for _ in range(2))
-    every = ["--checkpoint-every-steps", "2", "--log-every", "1"]
+    every = ["--checkpoint-every-steps", "2", "--log-every", "1", "--mlflow", "--mlflow-experiment", "ddp-steps"]
     data = fp64_data
-    runs = fp64_fits(
-        storage,
-        data,
-        {"two": ["--num-workers", "2", *every, "--max-failures", "1", "--inject-fault", f"1:s8:{marker}"]},
-    )
-    failed = run_cli_text(
-        *fp64_argv(
-            data, storage, "fp64-step-crash-w1", "--num-workers", "2", *every, "--inject-fault", f"0:s8:{marker_fail}"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+        runs = fp64_fits(
+            storage,
+            data,
+            {"two": ["--num-workers", "2", *every, "--max-failures", "1", "--inject-fault", f"1:s8:{marker}"]},
         )
-    )
-    resumed = run_cli_text(*fp64_argv(data, storage, "fp64-step-crash-w1", "--num-workers", "1", *every, "--json"))
+        crash = ["--num-workers", "2", *every, "--inject-fault", f"0:s8:{marker_fail}"]
+        failed = run_cli_text(*fp64_argv(data, storage, "fp64-step-crash-w1", *crash))
+        resumed = run_cli_text(*fp64_argv(data, storage, "fp64-step-crash-w1", "--num-workers", "1", *every, "--json"))
     return {"one": fp64_one, "data": data, **runs, "marker": marker, "marker_fail": marker_fail, "failed": failed,
             "resumed": resumed}  # fmt: skip
 
@@ -306,6 +308,36 @@ def test_a_crash_mid_epoch_resumes_with_another_world_size(step_runs, storage):
         "checkpoint_000002",
         "checkpoint_000002_step_000003",
     ]  # --num-to-keep 2, step checkpoints named by epoch and step
+
+
+def test_mlflow_holds_each_run_once_across_a_restart_a_rerun_and_an_eval(step_runs, mlflow_server, tmp_path):
+    """--mlflow: the run Ray Train restarted and the run that failed and was rerun are one MLflow
+    run each, whose params are the checkpoint's config.yaml and whose metrics are metrics.csv's
+    rows, each step once (tests/test_tracking.py: steps logged past the checkpoint); ``eval
+    --mlflow`` adds its outputs to the run of the checkpoint's run folder."""
+    resumed = json.loads(step_runs["resumed"][1].strip().splitlines()[-1])
+    by_name = {"fp64-two": step_runs["two"], "fp64-step-crash-w1": resumed}
+    runs = runs_of(mlflow_server, "ddp-steps")
+    assert sorted(run.info.run_name for run in runs) == sorted(by_name)
+    out = tmp_path / "eval"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+        code, text = run_cli_text(
+            "eval", "--checkpoint", resumed["checkpoint"], "--num-workers", "1", "--no-use-gpu", "--out", str(out),
+            "--mlflow", "--mlflow-experiment", "ddp-steps",
+        )  # fmt: skip
+    assert code == 0, text[-3000:]
+    runs = runs_of(mlflow_server, "ddp-steps")
+    assert len(runs) == 2
+    for run in runs:
+        result = by_name[run.info.run_name]
+        # MLflow params cannot change: the rerun's run keeps the options it started with
+        started_with = {"num_workers": "2"} if result is resumed else None
+        assert_tracks_folder(mlflow_server, run, result["run"], result["checkpoint"], started_with)
+    (crashed,) = [run for run in runs if run.info.run_name == "fp64-step-crash-w1"]
+    assert artifacts(mlflow_server, crashed.info.run_id, "eval/eval") == {
+        f"eval/eval/{name}" for name in ("eval.json", "confusion.png", "predictions.csv")
+    }
 
 
 def test_model_pt_loads_strict_into_plain_model(step_runs):

@@ -1,0 +1,365 @@
+"""MLflow tracking of runs (``--mlflow``, ``--mlflow-experiment``): the options, the MLflow run of a
+training run, sweep or trial, and the writer of its metrics.
+
+Job: ``TrackingOptions`` (a mixin of the ddp, pipeline, tune and eval configs); on the driver of a
+run (the command, a Tune trial's function) ``open_run`` finds or starts its MLflow run and logs the
+params and tags, ``close_run`` logs the artifacts and the end status; ``Tracker`` logs the rows of
+``run_log.RunLog`` (``metrics.csv``) as MLflow metrics by global step, from the log's one writer.
+
+Invariants:
+- One writer of metrics a run, as for ``run_log``: rank 0 of a DDP run (a Tune trial is one), the
+  driver of a pipeline run. Rows reach MLflow when ``RunLog`` publishes them (before every
+  checkpoint and at every epoch end). MLflow's names: a step row's columns as they are
+  (``train_loss``, ``lr``, ...), an epoch row's ``val_*`` as they are and its other columns
+  ``epoch_*``.
+- A resumed run continues its MLflow run: a run folder rerun with a checkpoint to resume (also
+  under ``--max-failures`` and elastic resizes, where the driver keeps the run), a sweep resumed
+  with ``--resume``, a Tune trial restored or forked by PBT. The MLflow run is found by its tag
+  ``raytrain_mp.key`` (the run folder, the sweep's experiment folder, the trial's first run folder);
+  a run started afresh (no checkpoint) starts a new MLflow run.
+- No step twice: an attempt logs a metric's rows only after the last step MLflow holds for it,
+  which it asks once, at its first publish (a crashed attempt may have logged past the checkpoint
+  its successor resumes from; those steps are trained again the same way and not logged again).
+- Params are the run's options as its ``config.yaml`` holds them (``config.to_yaml``), each the
+  ``str`` of its YAML value. MLflow params cannot change: a run continued under other options keeps
+  the ones it started with (its checkpoints' ``config.yaml`` have the new ones).
+- Tracking never ends a run: the first failure (no server, a refused request, MLflow missing on a
+  worker) is one warning line and the run goes on without MLflow, logging locally as always.
+  MLflow's HTTP client is made to give up in seconds (``HTTP_DEFAULTS``, unless the environment
+  sets them), not after its default minutes of retries.
+
+Why MLflow's client and not Ray's ``ray.air.integrations.mlflow``: ``setup_mlflow`` starts a new
+MLflow run on every call, with no way to continue one across Ray Train's restarts or a rerun, and
+``MLflowLoggerCallback`` is a Tune logger callback, which Ray Train V2 runs do not take. MLflow's
+own client (``MlflowClient``, explicit run ids, no global active run) does the logging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytrain_mp.config import check, option, to_yaml
+from raytrain_mp.interruption import Interrupted
+from raytrain_mp.storage import Location, locate, name_of
+
+INSTALL = "pip install 'raytrain_mp[mlflow]'"
+KEY_TAG = "raytrain_mp.key"
+# MLflow's HTTP client retries a refused request 7 times with doubling waits (minutes) by default.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}  # fmt: skip
+# MLflow's limits on one log_batch request.
+BATCH_METRICS, BATCH_PARAMS = 1000, 100
+
+
+@dataclasses.dataclass
+class TrackingOptions:
+    """Where a run's params, metrics and artifacts are tracked besides the run folder."""
+
+    mlflow: bool = option(
+        False,
+        "also log the run to MLflow at MLFLOW_TRACKING_URI (else MLflow's default): options as params, "
+        "metrics by global step, curves.png and config.yaml as artifacts; a resumed run continues its MLflow run",
+        group="output",
+    )
+    mlflow_experiment: str | None = option(
+        None, "--mlflow: the MLflow experiment (default: MLFLOW_EXPERIMENT_NAME, else MLflow's Default)", group="output"
+    )
+    # Set by the driver for the run's one metrics writer (rank 0, a trial): where its MLflow run is.
+    mlflow_tracking_uri: str | None = option(None, "internal: the MLflow tracking URI", hidden=True, group="output")
+    mlflow_run_id: str | None = option(None, "internal: the MLflow run this run logs to", hidden=True, group="output")
+    mlflow_parent_run_id: str | None = option(
+        None, "internal: a sweep's MLflow run, the parent of its trials' runs", hidden=True, group="output"
+    )
+
+    def validate(self) -> None:
+        # the next base's in a training command's config (TrainOptions'); eval's has none
+        getattr(super(), "validate", lambda: None)()
+        check(self.mlflow or self.mlflow_experiment is None, "mlflow_experiment", "needs --mlflow")
+        check(
+            not self.mlflow or importlib.util.find_spec("mlflow") is not None,
+            "mlflow",
+            f"needs MLflow, which is not installed; accepted: {INSTALL}",
+        )
+
+
+def warning(line: str) -> None:
+    print(f"raytrain-mp: warning: {line}", file=sys.stderr, flush=True)
+
+
+def _failed(uri: str, exc: BaseException) -> str:
+    cause = " ".join(str(exc).split())[:200] or type(exc).__name__
+    return f"MLflow at {uri}: {cause}; the run goes on without it (metrics.csv and TensorBoard as always)"
+
+
+def client(uri: str | None = None) -> Any:
+    """MLflow's client of ``uri`` (default: MLflow's tracking URI), giving up in seconds (``HTTP_DEFAULTS``)."""
+    for name, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def params_of(config: Any) -> dict[str, str]:
+    """A run's MLflow params: its options as ``config.yaml`` holds them, each the ``str`` of its YAML value."""
+    return {name: str(value) for name, value in yaml.safe_load(to_yaml(config)).items()}
+
+
+def open_run(
+    config: Any,
+    key: str,
+    name: str,
+    resumes: bool,
+    tags: dict[str, str] | None = None,
+    params: dict[str, str] | None = None,
+) -> Any:
+    """``config`` with the MLflow run its run logs to (``mlflow_tracking_uri``, ``mlflow_run_id``):
+    with ``resumes``, the newest one tagged ``key`` continued, else a new one named ``name``
+    (a child of ``config.mlflow_parent_run_id`` when set), given the ``params`` it lacks (default:
+    ``params_of(config)``). Without ``--mlflow``, ``config`` as it is; on any MLflow failure, one
+    warning line and ``config`` as it is."""
+    if not config.mlflow:
+        return config
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "MLflow's default tracking URI")
+    try:
+        import mlflow
+
+        uri = config.mlflow_tracking_uri or absolute_uri(mlflow.get_tracking_uri())
+        mlflow_client = client(uri)
+        experiment = experiment_id(mlflow_client, config.mlflow_experiment)
+        found = []
+        if resumes:
+            found = mlflow_client.search_runs(
+                [experiment],
+                filter_string=f"tags.`{KEY_TAG}` = '{key}'",
+                order_by=["attributes.start_time DESC"],
+                max_results=1,
+            )
+        params = params_of(config) if params is None else params
+        if found:
+            run_id = found[0].info.run_id
+            mlflow_client.update_run(run_id, status="RUNNING")
+            params = {k: v for k, v in params.items() if k not in found[0].data.params}
+        else:
+            parent = {"mlflow.parentRunId": config.mlflow_parent_run_id} if config.mlflow_parent_run_id else {}
+            run_id = mlflow_client.create_run(
+                experiment, run_name=name, tags={KEY_TAG: key, **parent, **(tags or {})}
+            ).info.run_id
+        log_params(mlflow_client, run_id, params)
+    except Exception as exc:  # noqa: BLE001  # tracking never ends a run
+        warning(_failed(uri, exc))
+        return config
+    return dataclasses.replace(config, mlflow_tracking_uri=uri, mlflow_run_id=run_id)
+
+
+def absolute_uri(uri: str) -> str:
+    """A tracking URI with its local path made absolute (MLflow's default ``sqlite:///mlflow.db`` is
+    relative to the working folder, which Ray's workers and Tune's trials do not share)."""
+    def absolute(path: str) -> str:
+        return str(Path(path).expanduser().resolve())
+
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + absolute(uri[len("sqlite:///") :])
+    if uri.startswith("file:") and not uri.startswith("file://"):
+        return "file://" + absolute(uri[len("file:") :])
+    return absolute(uri) if ":" not in uri and not uri.startswith("databricks") else uri
+
+
+def experiment_id(mlflow_client: Any, name: str | None) -> str:
+    """The id of the experiment ``name``, created when missing (None: ``MLFLOW_EXPERIMENT_NAME``, else
+    MLflow's Default)."""
+    name = name or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    if not name:
+        return "0"  # MLflow's Default experiment
+    experiment = mlflow_client.get_experiment_by_name(name)
+    return experiment.experiment_id if experiment is not None else mlflow_client.create_experiment(name)
+
+
+def log_params(mlflow_client: Any, run_id: str, params: dict[str, str]) -> None:
+    from mlflow.entities import Param
+
+    items = [Param(k, v) for k, v in params.items()]
+    for start in range(0, len(items), BATCH_PARAMS):
+        mlflow_client.log_batch(run_id, params=items[start : start + BATCH_PARAMS])
+
+
+def close_run(config: Any, status: str, artifacts: dict[str, bytes], tags: dict[str, str] | None = None) -> None:
+    """Log ``artifacts`` (artifact path: bytes), set ``tags`` and end the MLflow run of ``config``
+    (``status``: FINISHED, FAILED or KILLED); nothing without one; a failure is a warning line."""
+    if config.mlflow_run_id is None:
+        return
+    try:
+        mlflow_client = client(config.mlflow_tracking_uri)
+        log_artifacts(mlflow_client, config.mlflow_run_id, artifacts)
+        for name, value in (tags or {}).items():
+            mlflow_client.set_tag(config.mlflow_run_id, name, value)
+        mlflow_client.set_terminated(config.mlflow_run_id, status)
+    except Exception as exc:  # noqa: BLE001  # tracking never ends a run
+        warning(_failed(config.mlflow_tracking_uri, exc))
+
+
+def log_artifacts(mlflow_client: Any, run_id: str, artifacts: dict[str, bytes]) -> None:
+    """Each ``path: bytes`` of ``artifacts`` as the run's artifact at that path."""
+    with tempfile.TemporaryDirectory(prefix="raytrain-mlflow-") as scratch:
+        for path, data in artifacts.items():
+            folder, _, file = path.rpartition("/")
+            local = Path(scratch) / (folder or ".") / file
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(data)
+            mlflow_client.log_artifact(run_id, str(local), folder or None)
+
+
+# What a run's MLflow run gets of its folder when the command ends (run_log's files).
+RUN_FILES = ("curves.png", "metrics.csv")
+
+
+@dataclasses.dataclass
+class TrackedRun:
+    """A run's config with its MLflow run (``config``), and the checkpoint it ended with, if any."""
+
+    config: Any
+    checkpoint: str | None = None
+
+
+@contextmanager
+def tracked(
+    config: Any,
+    run: Location,
+    command: str,
+    resumes: bool,
+    key: str | None = None,
+    files: Sequence[str] = RUN_FILES,
+) -> Iterator[TrackedRun]:
+    """The MLflow run of the run folder ``run`` while the command trains it (``open_run``, keyed by
+    ``key``, default the folder; ``resumes``: the run continues a checkpoint of its own); at the
+    end, however it ends, the folder's ``files``, the ``config.yaml`` of its last checkpoint (or its
+    config's), the tags of its folder and checkpoint, and its end status. Without ``--mlflow``: nothing."""
+    tags = {"raytrain_mp.run": run.uri, "raytrain_mp.command": command}
+    run_state = TrackedRun(open_run(config, key or run.uri, name_of(run.uri), resumes, tags))
+    try:
+        yield run_state
+    except BaseException as exc:
+        _finish(run_state, run, files, run_status(exc))
+        raise
+    _finish(run_state, run, files, "FINISHED")
+
+
+def _finish(run_state: TrackedRun, run: Location, files: Sequence[str], status: str) -> None:
+    config = run_state.config
+    if config.mlflow_run_id is None:
+        return
+    try:
+        artifacts = {name: run.child(name).read_bytes() for name in files if run.child(name).is_file()}
+        saved = run_state.checkpoint and locate(run_state.checkpoint, "checkpoint").child("config.yaml")
+        artifacts["config.yaml"] = saved.read_bytes() if saved and saved.is_file() else to_yaml(config).encode()
+    except Exception as exc:  # noqa: BLE001  # tracking never ends a run
+        warning(_failed(config.mlflow_tracking_uri, exc))
+        artifacts = {}
+    tags = {"raytrain_mp.run": run.uri}
+    if run_state.checkpoint:
+        tags["raytrain_mp.checkpoint"] = run_state.checkpoint
+    close_run(config, status, artifacts, tags)
+
+
+def end_children(config: Any, status: str = "KILLED") -> None:
+    """End the child runs of ``config``'s MLflow run still running: Tune stopped their trials
+    (a scheduler's decision ends a trial's actor, and with it the trial's own ``close_run``)."""
+    if config.mlflow_run_id is None:
+        return
+    try:
+        mlflow_client = client(config.mlflow_tracking_uri)
+        parent = mlflow_client.get_run(config.mlflow_run_id)
+        children = mlflow_client.search_runs(
+            [parent.info.experiment_id],
+            filter_string=f"tags.`mlflow.parentRunId` = '{config.mlflow_run_id}' and attributes.status = 'RUNNING'",
+        )
+        for child in children:
+            mlflow_client.set_terminated(child.info.run_id, status)
+    except Exception as exc:  # noqa: BLE001  # tracking never ends a run
+        warning(_failed(config.mlflow_tracking_uri, exc))
+
+
+def log_outputs(config: Any, run: str, name: str, files: Sequence[str | Path], prefix: str) -> None:
+    """``files`` as artifacts under ``prefix`` of the MLflow run of the run folder ``run`` (a
+    command's outputs about a run, ``eval``'s), a new MLflow run named ``name`` when it has none."""
+    if not config.mlflow:
+        return
+    opened = open_run(config, run, name, resumes=True, tags={"raytrain_mp.run": run}, params={})
+    artifacts = {f"{prefix}/{Path(file).name}": Path(file).read_bytes() for file in files}
+    close_run(opened, "FINISHED", artifacts)
+
+
+def run_status(exc: BaseException | None) -> str:
+    """MLflow's end status of a run that raised ``exc`` (None: it finished)."""
+    if exc is None:
+        return "FINISHED"
+    return "KILLED" if isinstance(exc, (Interrupted, KeyboardInterrupt, SystemExit)) else "FAILED"
+
+
+def metric_name(kind: str, column: str) -> str:
+    """The MLflow metric of a ``metrics.csv`` column in a row of ``kind`` (see the module's invariants)."""
+    return column if kind == "step" or column.startswith("val_") else f"epoch_{column}"
+
+
+NOT_METRICS = ("kind", "global_step", "epoch")
+
+
+class Tracker:
+    """Logs a run's ``metrics.csv`` rows to its MLflow run, each metric's steps once (see the
+    module's invariants); ``warn`` shows the one line of its first failure, after which it logs nothing."""
+
+    def __init__(self, uri: str, run_id: str, warn: Callable[[str], None] = warning) -> None:
+        self.uri, self.run_id, self.warn = uri, run_id, warn
+        self._client: Any = None
+        self._through: dict[str, int] = {}  # metric: the last step MLflow holds
+        self.failed = False
+
+    @classmethod
+    def of(cls, config: Any, warn: Callable[[str], None] = warning) -> Tracker | None:
+        """The tracker of ``config``'s MLflow run (``open_run``), None without one."""
+        return cls(config.mlflow_tracking_uri, config.mlflow_run_id, warn) if config.mlflow_run_id else None
+
+    def log(self, rows: Sequence[dict[str, str]]) -> None:
+        """Log the metrics of ``rows`` (``metrics.csv`` rows) at steps past what MLflow holds."""
+        if self.failed:
+            return
+        try:
+            from mlflow.entities import Metric
+
+            if self._client is None:
+                self._client = client(self.uri)
+            now = int(time.time() * 1000)
+            metrics = []
+            for row in rows:
+                step = int(row["global_step"])
+                for column, value in row.items():
+                    if column in NOT_METRICS or value in ("", None):
+                        continue
+                    name = metric_name(row["kind"], column)
+                    if step <= self._logged_through(name):
+                        continue
+                    metrics.append(Metric(name, float(value), now, step))
+                    self._through[name] = step
+            for start in range(0, len(metrics), BATCH_METRICS):
+                self._client.log_batch(self.run_id, metrics=metrics[start : start + BATCH_METRICS])
+        except Exception as exc:  # noqa: BLE001  # tracking never ends a run
+            self.failed = True
+            self.warn(_failed(self.uri, exc))
+
+    def _logged_through(self, name: str) -> int:
+        """The last step of ``name`` MLflow holds (-1: none), asked once an attempt."""
+        if name not in self._through:
+            history = self._client.get_metric_history(self.run_id, name)
+            self._through[name] = max((metric.step for metric in history), default=-1)
+        return self._through[name]
