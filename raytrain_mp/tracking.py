@@ -12,11 +12,13 @@ Invariants:
   checkpoint and at every epoch end). MLflow's names: a step row's columns as they are
   (``train_loss``, ``lr``, ...), an epoch row's ``val_*`` as they are and its other columns
   ``epoch_*``.
-- A resumed run continues its MLflow run: a run folder rerun with a checkpoint to resume (also
-  under ``--max-failures`` and elastic resizes, where the driver keeps the run), a sweep resumed
-  with ``--resume``, a Tune trial restored or forked by PBT. The MLflow run is found by its tag
-  ``raytrain_mp.key`` (the run folder, the sweep's experiment folder, the trial's first run folder);
-  a run started afresh (no checkpoint) starts a new MLflow run.
+- One MLflow run a run folder, found by its tag ``raytrain_mp.key`` (the folder's URI): a resumed
+  run continues it (a rerun of the name with a checkpoint to resume; ``--max-failures`` restarts
+  and elastic resizes, where the driver keeps it anyway), a run started afresh (no checkpoint)
+  starts a new one. A sweep is a parent run (its experiment folder; ``--resume`` continues it)
+  with a child for each Train run of its trials (``raytrain_mp.trial``): one a trial, and one
+  more for each PBT exploit, whose new Train run continues another trial's checkpoint from its
+  step on (``raytrain_mp.resumed_from``), while the run it replaced keeps the steps it trained.
 - No step twice: an attempt logs a metric's rows only after the last step MLflow holds for it,
   which it asks once, at its first publish (a crashed attempt may have logged past the checkpoint
   its successor resumes from; those steps are trained again the same way and not logged again).
@@ -238,15 +240,15 @@ def tracked(
     run: Location,
     command: str,
     resumes: bool,
-    key: str | None = None,
     files: Sequence[str] = RUN_FILES,
+    tags: dict[str, str] | None = None,
 ) -> Iterator[TrackedRun]:
     """The MLflow run of the run folder ``run`` while the command trains it (``open_run``, keyed by
-    ``key``, default the folder; ``resumes``: the run continues a checkpoint of its own); at the
-    end, however it ends, the folder's ``files``, the ``config.yaml`` of its last checkpoint (or its
-    config's), the tags of its folder and checkpoint, and its end status. Without ``--mlflow``: nothing."""
-    tags = {"raytrain_mp.run": run.uri, "raytrain_mp.command": command}
-    run_state = TrackedRun(open_run(config, key or run.uri, name_of(run.uri), resumes, tags))
+    the folder; ``resumes``: the run continues a checkpoint of its own; ``tags`` for a new one); at
+    the end, however it ends, the folder's ``files``, the ``config.yaml`` of its last checkpoint (or
+    its config's), the tags of its folder and checkpoint, and its end status. Without ``--mlflow``: nothing."""
+    tags = {"raytrain_mp.run": run.uri, "raytrain_mp.command": command, **(tags or {})}
+    run_state = TrackedRun(open_run(config, run.uri, name_of(run.uri), resumes, tags))
     try:
         yield run_state
     except BaseException as exc:

@@ -96,6 +96,19 @@ def run_cli_json(*argv: str) -> dict:
     raise AssertionError(f"no JSON line in output: {buffer.getvalue()[-2000:]}")
 
 
+def run_without(module: str, *argv: str):
+    """``raytrain-mp ARGV`` in a new Python where ``module`` cannot be imported (an environment
+    without an optional extra); the ``subprocess.CompletedProcess``, text."""
+    import subprocess
+    import sys
+
+    code = (
+        f"import sys; sys.modules[{module!r}] = None  # what an environment without it imports\n"
+        f"from raytrain_mp.cli import main\nsys.exit(main({list(argv)!r}))"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
 def run_cli_text(*argv: str) -> tuple[int, str]:
     """``(exit code, stdout and stderr)`` of a command run in-process, failed or not (a run that
     raises is exit code 1, as the command line reports it)."""

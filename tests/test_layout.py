@@ -43,6 +43,7 @@ SHARED_MODULES = {
     "readable",
     "run_log",
     "storage",
+    "tracking",
     "views",
     "watchdog",
 }

@@ -43,6 +43,7 @@ DOCS = [README] + [
         "python",
         "inference",
         "runs",
+        "tracking",
         "storage",
         "deploy",
         "gpus",
@@ -138,6 +139,17 @@ NOT_HERE = {
     "raytrain-mp predict --checkpoint ~/ray_results/lr-sweep my_digits/ --top-k 3":
         "my_digits/ is the reader's own images; " + AFTER,
     "raytrain-mp export --checkpoint ~/ray_results/lr-sweep --format onnx --out model.onnx": AFTER,
+    **{command: "an MLflow server and the extra of docs/tracking.md; tests/ddp/test_ddp_train.py (ddp and eval),"
+       " tests/pipeline/test_pipeline_cli.py and tests/tune/test_tune_sweep.py run --mlflow against a real mlflow "
+       "server on 127.0.0.1" for command in (
+        "pip install -e '.[mlflow]'",
+        "mlflow server --host 127.0.0.1 --port 5000 &",
+        "export MLFLOW_TRACKING_URI=http://127.0.0.1:5000",
+        "raytrain-mp ddp --mlflow --mlflow-experiment digits --name tracked",
+        "raytrain-mp eval --checkpoint ~/ray_results/tracked --mlflow --mlflow-experiment digits",
+        "raytrain-mp tune --global-batch-sizes 32,64 --base-lrs 0.4 --epochs 1 --num-workers 1 --mlflow "
+        "--mlflow-experiment digits --name tracked-sweep",
+    )},
 }  # fmt: skip
 
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)

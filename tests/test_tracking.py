@@ -7,8 +7,6 @@ tests/ddp/test_ddp_train.py, tests/pipeline/test_pipeline_cli.py, tests/tune/tes
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,7 +16,7 @@ from raytrain_mp.run_log import RunLog
 from raytrain_mp.storage import locate
 from raytrain_mp.tracking import Tracker, absolute_uri, open_run, params_of
 
-from helpers import closed_port, run_cli
+from helpers import closed_port, run_cli, run_without
 from mlflow_check import history, runs_of
 
 
@@ -32,12 +30,7 @@ def test_an_experiment_without_mlflow_is_one_line(capsys, tmp_path, command):
 
 
 def test_mlflow_missing_is_one_line_before_anything_runs(tmp_path):
-    code = (
-        "import sys; sys.modules['mlflow'] = None  # what an environment without MLflow imports\n"
-        "from raytrain_mp.cli import main\n"
-        f"sys.exit(main(['ddp', '--mlflow', '--storage-path', {str(tmp_path / 'runs')!r}]))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    done = run_without("mlflow", "ddp", "--mlflow", "--storage-path", str(tmp_path / "runs"))
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr.strip().splitlines() == [
         "raytrain-mp: error: --mlflow: needs MLflow, which is not installed; accepted: pip install "

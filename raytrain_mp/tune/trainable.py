@@ -84,10 +84,9 @@ def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> N
     cfg = dataclasses.replace(template, **params, storage_path=experiment)
     cfg = dataclasses.replace(cfg, **start_of(tune.get_checkpoint(), tune.get_context(), experiment))
     cfg.validate()
-    root = locate(experiment, "storage_path")
-    # --mlflow: one MLflow run a trial (a child of the sweep's), whichever of its Train runs trains.
-    first = root.child(run_name(tune.get_context().get_trial_id())).uri
-    with tracked(cfg, root.child(cfg.name), "tune trial", resumes=True, key=first) as mlflow:
+    # --mlflow: a child of the sweep's MLflow run a Train run (a PBT exploit starts a new one)
+    tags = {"raytrain_mp.trial": tune.get_context().get_trial_id(), "raytrain_mp.resumed_from": str(cfg.resume_from)}
+    with tracked(cfg, locate(experiment, "storage_path").child(cfg.name), "tune trial", True, tags=tags) as mlflow:
         last = fit_reporting(mlflow.config)
         mlflow.checkpoint = last[1].path if last and last[1] else None
     # Only now: Tune may end the trial as soon as it has the last epoch (its scheduler's max_t).

@@ -30,6 +30,7 @@ from helpers import (
     session_gpus,
 )
 from killer import Killer, exists
+from mlflow_check import assert_tracks_folder, runs_of
 from run_log_check import checked_run_log
 
 
@@ -188,11 +189,12 @@ def captured_output():
 
 
 @pytest.fixture(scope="module")
-def fp64_runs(ray_session, tiny_data, tmp_path_factory):
+def fp64_runs(ray_session, tiny_data, tmp_path_factory, mlflow_server):
     """The plain run, and the killed run: its stages' first start is killed from outside (``Killer``),
     its stage 1 after global step 8 (step 3 of epoch 2, before that step's checkpoint), and then a
     new stage actor while the stages are rebuilt: three failures of --max-failures 3, and it resumes
-    from the checkpoint after step 6; 3 steps a Ray call. It must still equal the plain run, step by step."""
+    from the checkpoint after step 6; 3 steps a Ray call. It must still equal the plain run, step by
+    step. The killed run logs to MLflow (experiment ``pipeline``)."""
     storage = str(tmp_path_factory.mktemp("pruns"))
     marker = tmp_path_factory.mktemp("pfault") / "killed"
     args = fp64_args(tiny_data, storage)
@@ -202,11 +204,13 @@ def fp64_runs(ray_session, tiny_data, tmp_path_factory):
         killer.kill_first_new(why="during the first start")
         killer.kill_first_new(after=exists(marker), why="while the stages are rebuilt")
 
-    with Killer("ray::StageWorker") as killer, captured_output() as output:
+    with Killer("ray::StageWorker") as killer, captured_output() as output, pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", mlflow_server)
         killer.start(kill_at_the_first_start_and_while_rebuilding)
         try:
             code = main([*args, "--name", "killed", "--max-failures", "3", "--inject-fault", f"1:s8:{marker}",
-                         "--steps-per-call", "3", "--checkpoint-every-steps", "2", "--json"])  # fmt: skip
+                         "--steps-per-call", "3", "--checkpoint-every-steps", "2", "--json",
+                         "--mlflow", "--mlflow-experiment", "pipeline"])  # fmt: skip
         except SystemExit as exc:
             code = exc.code
     killed = CliResult(code, output["out"], output["err"])
@@ -248,6 +252,15 @@ def test_the_killed_run_logs_every_step_once_with_the_plain_runs_numbers(fp64_ru
         assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), rel=1e-9)
         assert 0 <= float(b["bubble_fraction"]) < 1
     assert [r["val_accuracy"] for r in plain_rows if r["kind"] == "epoch"][-1] == repr(plain["val_accuracy"])
+
+
+@pytest.mark.slow  # the fp64 runs
+def test_mlflow_holds_the_killed_run_once_across_its_restarts(fp64_runs, mlflow_server):
+    """One MLflow run across the three restarts, with metrics.csv's rows, each step once; its params
+    are the options the run started with (the cut its balancing chose is the checkpoint's)."""
+    _, killed, _, _, _ = fp64_runs
+    (run,) = runs_of(mlflow_server, "pipeline")
+    assert_tracks_folder(mlflow_server, run, killed["run"], killed["checkpoint"], started_with={"split_points": "None"})
 
 
 @pytest.mark.slow  # the fp64 runs

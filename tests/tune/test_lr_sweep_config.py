@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.csv as pa_csv
@@ -31,7 +29,7 @@ from raytrain_mp.tune.config import (
 )
 from raytrain_mp.tune.report import COLUMNS, TrialOutcome, best_row, table_rows, write_outputs
 
-from helpers import assert_usage_error, run_cli
+from helpers import assert_usage_error, run_cli, run_without
 
 
 def make(tmp_path, **flags) -> TuneConfig:
@@ -393,13 +391,8 @@ def vars_of(cfg) -> dict[str, str]:
 
 
 def test_optuna_missing_is_one_line_before_anything_runs(tmp_path):
-    code = (
-        "import sys; sys.modules['optuna'] = None  # what an environment without Optuna imports\n"
-        "from raytrain_mp.cli import main\n"
-        f"sys.exit(main(['tune', '--search', 'optuna', '--lr-min', '0.1', '--lr-max', '1', '--storage-path', "
-        f"{str(tmp_path / 'runs')!r}]))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    argv = ["tune", "--search", "optuna", "--lr-min", "0.1", "--lr-max", "1", "--storage-path", str(tmp_path / "runs")]
+    done = run_without("optuna", *argv)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr.strip().splitlines() == [
         "raytrain-mp: error: --search: optuna needs Optuna, which is not installed; accepted: pip install "

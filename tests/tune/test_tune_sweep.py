@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import ray
 import yaml
 
 from raytrain_mp.cli import main
@@ -31,6 +32,7 @@ from raytrain_mp.run_log import CURVES_FILE, read_rows
 from raytrain_mp.storage import locate
 
 from helpers import assert_usage_error, run_cli, run_cli_json, session_cpus, session_gpus, write_digits_cut
+from mlflow_check import artifacts, history, runs_of
 from run_log_check import csv_as_events, read_events
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # real sweeps
@@ -87,29 +89,43 @@ def interrupt_when(condition, stop: threading.Event) -> threading.Thread:
     return thread
 
 
+def end_of_job() -> None:
+    """What the end of an interrupted ``raytrain-mp tune`` process does to its Ray job: its
+    placement groups go. The test resumes in the same process (the same job), where the groups of
+    trials that were starting when the signal came could hold the CPUs the resumed ones need."""
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    for group_id, group in placement_group_table().items():
+        if group["state"] != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
+
+
 @pytest.fixture(scope="module")
-def sweep(small_digits, tmp_path_factory):
+def sweep(small_digits, tmp_path_factory, mlflow_server):
     storage = tmp_path_factory.mktemp("sweeps")
     experiment = storage / "lr"
     argv = [
         "tune", "--no-use-gpu", "--data", small_digits, "--global-batch-sizes", ",".join(map(str, BATCHES)),
         "--base-lrs", ",".join(map(str, LRS)), "--epochs", str(EPOCHS), "--scheduler", "asha",
         "--num-workers", "1", "--storage-path", str(storage), "--name", "lr", "--log-every", "0",
-        "--seed", "1", "--weight-decays", "2e-4", "--label-smoothings", "0.1",
+        "--seed", "1", "--weight-decays", "2e-4", "--label-smoothings", "0.1", "--mlflow", "--mlflow-experiment", "lr",
     ]  # fmt: skip
     # If Tune finished before the signal, this no-op absorbs it (and the resume test fails) instead
     # of SIGUSR1's default action ending the test session.
     previous = signal.signal(signal.SIGUSR1, lambda *_: None)
     stop = threading.Event()
-    try:
-        watcher = interrupt_when(lambda: len(done_trials(experiment)) >= 2, stop)
-        code, interrupted = run_cli_result(*argv)
-    finally:
-        stop.set()
-        watcher.join()
-        signal.signal(signal.SIGUSR1, previous)
-    finished_before = {trial: trial_traces(experiment, trial) for trial in done_trials(experiment)}
-    resumed = run_cli_json("tune", "--resume", str(experiment))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+        try:
+            watcher = interrupt_when(lambda: len(done_trials(experiment)) >= 2, stop)
+            code, interrupted = run_cli_result(*argv)
+        finally:
+            stop.set()
+            watcher.join()
+            signal.signal(signal.SIGUSR1, previous)
+        finished_before = {trial: trial_traces(experiment, trial) for trial in done_trials(experiment)}
+        end_of_job()
+        resumed = run_cli_json("tune", "--resume", str(experiment))
     return {
         "code": code,
         "interrupted": interrupted,
@@ -177,6 +193,16 @@ def test_every_trial_logs_its_epochs_once(sweep):
         assert run.child(CURVES_FILE).is_file()  # drawn at every epoch end: Tune ends a trial before its loop does
 
 
+def test_mlflow_holds_the_sweep_as_a_parent_with_a_child_a_trial(sweep, mlflow_server):
+    """--mlflow, interrupted and resumed: one parent run (continued by --resume) with the sweep's
+    outputs, and a child for each of the 4 trials holding its epochs once."""
+    parent, *children = runs_of(mlflow_server, "lr")
+    assert parent.info.run_name == "lr" and parent.info.status == "FINISHED"
+    assert {"best.yaml", "sweep_lr.png", "sweep_table.csv"} <= artifacts(mlflow_server, parent.info.run_id)
+    assert sorted(child.info.run_name for child in children) == sorted(row["run"] for row in sweep["rows"])
+    assert_children_hold_their_runs(mlflow_server, parent, children, sweep["experiment"])
+
+
 def test_sweep_plot_and_best_yaml(sweep, small_digits):
     resumed = sweep["resumed"]
     assert Path(resumed["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -195,7 +221,9 @@ def test_sweep_plot_and_best_yaml(sweep, small_digits):
     assert (cfg.data, cfg.name, cfg.use_gpu, cfg.storage_path) == (small_digits, None, None, DDPConfig.storage_path)
 
 
-def test_ddp_runs_the_best_yaml(sweep, tmp_path):
+def test_ddp_runs_the_best_yaml(sweep, tmp_path, mlflow_server, monkeypatch):
+    """best.yaml carries the sweep's options, --mlflow included: the run is tracked where the sweep was."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     resumed = sweep["resumed"]
     out = run_cli_json(
         "ddp",
@@ -211,6 +239,9 @@ def test_ddp_runs_the_best_yaml(sweep, tmp_path):
     )
     assert out["global_batch_size"] == resumed["best"]["global_batch_size"] and out["epochs"] == 1
     assert out["world_size"] == 1 and out["val_count"] == 200
+    (tracked,) = [run for run in runs_of(mlflow_server, "lr") if run.data.tags["raytrain_mp.run"] == out["run"]]
+    assert "mlflow.parentRunId" not in tracked.data.tags
+    assert tracked.data.params["base_lr"] == str(resumed["best"]["base_lr"])
 
 
 @pytest.mark.parametrize(
@@ -274,7 +305,11 @@ def test_a_failed_trial_is_recorded(small_digits, tmp_path):
     assert row["epochs_run"] <= 1 and Path(out["plot"]).is_file()
 
 
-def test_optuna_draws_the_population_pbt_perturbs_and_the_summary_names_the_best(ray_session, small_digits, tmp_path):
+def test_optuna_draws_the_population_pbt_perturbs_and_the_summary_names_the_best(
+    ray_session, small_digits, tmp_path, mlflow_server, monkeypatch
+):
+    """Also --mlflow: the sweep is a parent MLflow run with its outputs, each trial a child holding
+    one point an epoch, also across PBT's fork of a trial into a new Train run."""
     from raytrain_mp.config import build_config
     from raytrain_mp.tune.config import TuneConfig
     from raytrain_mp.tune.search import optuna_population
@@ -282,9 +317,10 @@ def test_optuna_draws_the_population_pbt_perturbs_and_the_summary_names_the_best
     flags = {"global_batch_sizes": "64", "lr_min": "0.05", "lr_max": "0.8", "search": "optuna", "scheduler": "pbt",
              "num_samples": "2", "epochs": "2", "num_workers": "1"}  # fmt: skip
     argv = [part for name, value in flags.items() for part in (f"--{name.replace('_', '-')}", value)]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     code, out = run_cli_result(
         "tune", *argv, "--no-use-gpu", "--data", small_digits, "--storage-path", str(tmp_path), "--name", "pbt",
-        "--log-every", "0",
+        "--log-every", "0", "--mlflow", "--mlflow-experiment", "sweeps",
     )  # fmt: skip
     assert code == 0 and out["trials"] == 2 and out["trials_by_status"] == {"completed": 2}
     experiment = tmp_path / "pbt"
@@ -299,3 +335,23 @@ def test_optuna_draws_the_population_pbt_perturbs_and_the_summary_names_the_best
     rows = pq.read_table(out["table_parquet"]).to_pylist()
     assert out["best"]["trial"] == max(rows, key=lambda row: row["best_val_accuracy"])["trial"]
     assert all(row["epochs_run"] == 2 and (experiment / row["run"]).is_dir() for row in rows)
+    parent, *children = runs_of(mlflow_server, "sweeps")
+    assert parent.info.run_name == "pbt" and parent.info.status == "FINISHED"
+    outputs = {"best.yaml", "config.yaml", "sweep_lr.png", "sweep_table.csv"}
+    assert artifacts(mlflow_server, parent.info.run_id) == outputs
+    # a child a Train run: each trial's first, and a new one where PBT exploited another's checkpoint
+    assert sorted(child.info.run_name for child in children) == sorted(
+        p.name for p in experiment.glob("train-*") if not p.name.endswith("-start")
+    )
+    assert len({child.data.tags["raytrain_mp.trial"] for child in children}) == 2
+    assert_children_hold_their_runs(mlflow_server, parent, children, experiment)
+    assert {c.info.status for c in children if c.info.run_name in {row["run"] for row in rows}} == {"FINISHED"}
+
+
+def assert_children_hold_their_runs(uri: str, parent, children: list, experiment: Path) -> None:
+    """Each child of ``parent`` holds its Train run's epochs (``metrics.csv``), each step once."""
+    for child in children:
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        rows = read_rows(locate(str(experiment / child.info.run_name), "run"))
+        epochs = [(int(r["global_step"]), float(r["val_accuracy"])) for r in rows if r["kind"] == "epoch"]
+        assert history(uri, child.info.run_id, "val_accuracy") == epochs
