@@ -33,7 +33,13 @@ PROG = "raytrain-mp"
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the message) rather than the usage block."""
+    """argparse, but a usage error is one line (the message) rather than the usage block, and a
+    flag is only its whole name: argparse's default takes a prefix for the one flag it begins, so
+    ``tune --label-smoothing 0.1`` would silently set the grid ``--label-smoothings``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # noqa: D401 - argparse's signature
         print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)

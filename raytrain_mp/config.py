@@ -16,7 +16,8 @@ Invariants:
 - A renamed option keeps its old spelling (``aliases``) for one release, as a flag and as a YAML
   key, with one ``raytrain-mp: warning:`` line naming the new one; ``--help`` shows new names only.
 - A saved config (``to_yaml``: checkpoints' ``config.yaml``, a sweep's ``sweep.yaml``) never holds
-  a hidden option: those are testing hooks, not part of what was run.
+  a hidden option: those are testing hooks and what a driver hands its workers (``tracking``), not
+  part of what was run.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""MLflow tracking of runs (``--mlflow``, ``--mlflow-experiment``): the options, the MLflow run of a
-training run, sweep or trial, and the writer of its metrics.
+"""MLflow tracking of runs (``--mlflow``, ``--mlflow-experiment``; the options:
+``tracking_options``): the MLflow run of a training run, sweep or trial, and the writer of its metrics.
 
-Job: ``TrackingOptions`` (a mixin of the ddp, pipeline, tune and eval configs); on the driver of a
-run (the command, a Tune trial's function) ``open_run`` finds or starts its MLflow run and logs the
-params and tags, ``close_run`` logs the artifacts and the end status; ``Tracker`` logs the rows of
+Job: on the driver of a run (the command, a Tune trial's function) ``open_run`` finds or starts
+its MLflow run and logs the params and tags, ``close_run`` logs the artifacts and the end status
+(``tracked`` does both around a command's run); ``Tracker`` logs the rows of
 ``run_log.RunLog`` (``metrics.csv``) as MLflow metrics by global step, from the log's one writer.
 
 Invariants:
@@ -20,7 +20,7 @@ Invariants:
   more for each PBT exploit, whose new Train run continues another trial's checkpoint from its
   step on (``raytrain_mp.resumed_from``), while the run it replaced keeps the steps it trained.
 - No step twice: an attempt logs a metric's rows only after the last step MLflow holds for it,
-  which it asks once, at its first publish (a crashed attempt may have logged past the checkpoint
+  which it asks once, when it first logs the metric (a crashed attempt may have logged past the checkpoint
   its successor resumes from; those steps are trained again the same way and not logged again).
 - Params are the run's options as its ``config.yaml`` holds them (``config.to_yaml``), each the
   ``str`` of its YAML value. MLflow params cannot change: a run continued under other options keeps
@@ -39,7 +39,6 @@ own client (``MlflowClient``, explicit run ids, no global active run) does the l
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import sys
 import tempfile
@@ -51,48 +50,16 @@ from typing import Any
 
 import yaml
 
-from raytrain_mp.config import check, option, to_yaml
+from raytrain_mp.config import to_yaml
 from raytrain_mp.interruption import Interrupted
 from raytrain_mp.storage import Location, locate, name_of
 
-INSTALL = "pip install 'raytrain_mp[mlflow]'"
 KEY_TAG = "raytrain_mp.key"
 # MLflow's HTTP client retries a refused request 7 times with doubling waits (minutes) by default.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}  # fmt: skip
 # MLflow's limits on one log_batch request.
 BATCH_METRICS, BATCH_PARAMS = 1000, 100
-
-
-@dataclasses.dataclass
-class TrackingOptions:
-    """Where a run's params, metrics and artifacts are tracked besides the run folder."""
-
-    mlflow: bool = option(
-        False,
-        "also log the run to MLflow at MLFLOW_TRACKING_URI (else MLflow's default): options as params, "
-        "metrics by global step, curves.png and config.yaml as artifacts; a resumed run continues its MLflow run",
-        group="output",
-    )
-    mlflow_experiment: str | None = option(
-        None, "--mlflow: the MLflow experiment (default: MLFLOW_EXPERIMENT_NAME, else MLflow's Default)", group="output"
-    )
-    # Set by the driver for the run's one metrics writer (rank 0, a trial): where its MLflow run is.
-    mlflow_tracking_uri: str | None = option(None, "internal: the MLflow tracking URI", hidden=True, group="output")
-    mlflow_run_id: str | None = option(None, "internal: the MLflow run this run logs to", hidden=True, group="output")
-    mlflow_parent_run_id: str | None = option(
-        None, "internal: a sweep's MLflow run, the parent of its trials' runs", hidden=True, group="output"
-    )
-
-    def validate(self) -> None:
-        # the next base's in a training command's config (TrainOptions'); eval's has none
-        getattr(super(), "validate", lambda: None)()
-        check(self.mlflow or self.mlflow_experiment is None, "mlflow_experiment", "needs --mlflow")
-        check(
-            not self.mlflow or importlib.util.find_spec("mlflow") is not None,
-            "mlflow",
-            f"needs MLflow, which is not installed; accepted: {INSTALL}",
-        )
 
 
 def warning(line: str) -> None:
@@ -168,6 +135,7 @@ def open_run(
 def absolute_uri(uri: str) -> str:
     """A tracking URI with its local path made absolute (MLflow's default ``sqlite:///mlflow.db`` is
     relative to the working folder, which Ray's workers and Tune's trials do not share)."""
+
     def absolute(path: str) -> str:
         return str(Path(path).expanduser().resolve())
 

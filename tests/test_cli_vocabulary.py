@@ -143,6 +143,18 @@ def test_retired_spellings_work_for_a_release_with_one_warning(capsys, argv, des
     assert old not in visible_flags(subcommands()[" ".join(w for w in argv[:2] if not w.startswith("-"))])
 
 
+@pytest.mark.parametrize("argv", [["tune", "--label-smoothing", "0.1"], ["ddp", "--epoch", "1"]])
+def test_a_flag_is_its_whole_name(capsys, tmp_path, argv):
+    """argparse would take a prefix of one flag for it: tune's --label-smoothing for the grid
+    --label-smoothings, which is not what the user wrote."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"raytrain-mp: error: unrecognized arguments: {' '.join(argv[1:])}"
+    ]
+
+
 def test_retired_yaml_keys_work_with_one_warning(tmp_path, capsys):
     from raytrain_mp.config import build_config
     from raytrain_mp.pipeline.config import PipelineConfig

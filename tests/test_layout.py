@@ -44,6 +44,7 @@ SHARED_MODULES = {
     "run_log",
     "storage",
     "tracking",
+    "tracking_options",
     "views",
     "watchdog",
 }

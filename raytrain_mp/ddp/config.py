@@ -10,7 +10,7 @@ import dataclasses
 from raytrain_mp.config import TrainOptions, check, check_choice, option
 from raytrain_mp.data.recipe_options import RecipeOptions
 from raytrain_mp.ddp.elastic import check_world_sizes, parse_worker_range
-from raytrain_mp.tracking import TrackingOptions
+from raytrain_mp.tracking_options import TrackingOptions
 
 DDP_PLACEMENTS = ("PACK", "SPREAD")
 

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from raytrain_mp.config import check, check_choice, check_local, check_writable, option
-from raytrain_mp.tracking import TrackingOptions
+from raytrain_mp.tracking_options import TrackingOptions
 
 CHECKPOINT_HELP = (
     "a run folder (its newest complete checkpoint), a checkpoint folder (holding model.pt and config.yaml), "
@@ -86,7 +86,6 @@ class PredictConfig:
     json: bool = False
 
     def validate(self) -> None:
-        super().validate()
         check(bool(self.checkpoint), "checkpoint", "required: a run folder, a checkpoint folder, or a URI of either")
         check(bool(self.files), "files", "required: one or more image files or folders")
         check(self.top_k >= 1, "top_k", f"must be >= 1, got {self.top_k}")
@@ -116,7 +115,6 @@ class ExportConfig:
     json: bool = False
 
     def validate(self) -> None:
-        super().validate()
         check(bool(self.checkpoint), "checkpoint", "required: a run folder, a checkpoint folder, or a URI of either")
         check_choice(self, "format")
         check(bool(self.out), "out", "required: the local file to write")

@@ -14,7 +14,7 @@ from raytrain_mp.data.recipe_options import RecipeOptions
 from raytrain_mp.errors import OptionError
 from raytrain_mp.pipeline.layouts import MEMORY_FORMATS, PLACEMENT_STRATEGIES
 from raytrain_mp.pipeline.schedule import SCHEDULES
-from raytrain_mp.tracking import TrackingOptions
+from raytrain_mp.tracking_options import TrackingOptions
 
 if TYPE_CHECKING:  # the spec loads torch; this module loads neither torch nor Ray
     from raytrain_mp.pipeline.spec import PipelineSpec

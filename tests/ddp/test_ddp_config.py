@@ -159,14 +159,16 @@ def test_saved_config_leaves_out_hidden_options(tmp_path):
     from raytrain_mp.ddp.config import DDPConfig
 
     hooks = {"inject_fault": f"0:s3:{tmp_path / 'marker'}", "hold_at_step": f"2:{tmp_path / 'go'}"}
-    cfg = DDPConfig(storage_path=str(tmp_path), epochs=3, **hooks, json=True)
+    # what a driver hands its workers: where the run's MLflow run is (tracking.open_run)
+    internal = {"mlflow_tracking_uri": "http://127.0.0.1:5000", "mlflow_run_id": "a" * 32, "mlflow_parent_run_id": "b"}
+    cfg = DDPConfig(storage_path=str(tmp_path), epochs=3, **hooks, **internal, json=True)
     cfg.validate()
     saved = yaml.safe_load(to_yaml(cfg))
-    assert saved == {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", *hooks)}
+    assert saved == {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("json", *hooks, *internal)}
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(cfg))
     assert build_config(DDPConfig, {"config": str(path)}) == dataclasses.replace(
-        cfg, inject_fault=None, hold_at_step=None, json=False
+        cfg, **dict.fromkeys([*hooks, *internal]), json=False
     )
 
 
