@@ -50,7 +50,7 @@ MYMODELS = textwrap.dedent('''
     def tiny_net(num_classes, in_channels, image_size):
         return TinyNet(num_classes, in_channels)
 ''')
-FP64 = ["--precision", "fp64", "--epochs", "2", "--base-lr", "0.1", "--seed", "3", "--log-every", "0", "--no-use-gpu"]
+FP64 = ["--precision", "fp64", "--epochs", "2", "--seed", "3", "--log-every", "0", "--no-use-gpu"]
 
 
 def raytrain_mp(cwd, address: str, *argv: str) -> dict:
@@ -67,8 +67,9 @@ def test_a_user_module_trains_with_ddp_tune_and_pipeline(ray_session, tmp_path):
     address = ray_session.get_runtime_context().gcs_address
     common = ["--data", data, "--storage-path", str(tmp_path / "runs"), "--model", "mymodels:tiny_net", *FP64]
     ddp = raytrain_mp(
-        tmp_path, address, "ddp", *common, "--name", "ddp", "--num-workers", "2", "--global-batch-size", "128"
-    )
+        tmp_path, address, "ddp", *common, "--name", "ddp", "--num-workers", "2", "--global-batch-size", "128",
+        "--base-lr", "0.1",
+    )  # fmt: skip
     assert ddp["epochs"] == 2 and ddp["world_size"] == 2 and ddp["val_count"] == 160 and 0 <= ddp["val_accuracy"] <= 1
     tune = raytrain_mp(
         tmp_path, address, "tune", *common, "--name", "tune", "--num-workers", "1", "--global-batch-sizes", "128",
@@ -77,7 +78,7 @@ def test_a_user_module_trains_with_ddp_tune_and_pipeline(ray_session, tmp_path):
     assert tune["trials_by_status"] == {"completed": 1}, tune
     pipeline = raytrain_mp(
         tmp_path, address, "pipeline", *common, "--name", "pipeline", "--stages", "2", "--split-points", "body.1",
-        "--global-batch-size", "128",
+        "--global-batch-size", "128", "--base-lr", "0.1",
     )  # fmt: skip
     # The cut falls between body's convolution and its BatchNorm: the skipped h crosses it too.
     assert [stage["blocks"][0] for stage in pipeline["stages"]] == ["stem.0", "body.1"] and pipeline["val_count"] == 160
