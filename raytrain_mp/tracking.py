@@ -102,24 +102,15 @@ def open_run(
         return config
     uri = os.environ.get("MLFLOW_TRACKING_URI", "MLflow's default tracking URI")
     try:
-        import mlflow
-
-        uri = config.mlflow_tracking_uri or absolute_uri(mlflow.get_tracking_uri())
+        uri = tracking_uri(config)
         mlflow_client = client(uri)
         experiment = experiment_id(mlflow_client, config.mlflow_experiment)
-        found = []
-        if resumes:
-            found = mlflow_client.search_runs(
-                [experiment],
-                filter_string=f"tags.`{KEY_TAG}` = '{key}'",
-                order_by=["attributes.start_time DESC"],
-                max_results=1,
-            )
+        found = newest_run(mlflow_client, experiment, key) if resumes else None
         params = params_of(config) if params is None else params
-        if found:
-            run_id = found[0].info.run_id
+        if found is not None:
+            run_id = found.info.run_id
             mlflow_client.update_run(run_id, status="RUNNING")
-            params = {k: v for k, v in params.items() if k not in found[0].data.params}
+            params = {k: v for k, v in params.items() if k not in found.data.params}
         else:
             parent = {"mlflow.parentRunId": config.mlflow_parent_run_id} if config.mlflow_parent_run_id else {}
             run_id = mlflow_client.create_run(
@@ -130,6 +121,23 @@ def open_run(
         warning(_failed(uri, exc))
         return config
     return dataclasses.replace(config, mlflow_tracking_uri=uri, mlflow_run_id=run_id)
+
+
+def tracking_uri(config: Any) -> str:
+    """Where ``config``'s run is tracked: the driver's choice, else MLflow's (``MLFLOW_TRACKING_URI``
+    or its default), made absolute."""
+    import mlflow
+
+    return config.mlflow_tracking_uri or absolute_uri(mlflow.get_tracking_uri())
+
+
+def newest_run(mlflow_client: Any, experiment: str, key: str) -> Any:
+    """The newest MLflow run of ``experiment`` tagged ``key``, None when there is none."""
+    newest_first = ["attributes.start_time DESC"]
+    found = mlflow_client.search_runs(
+        [experiment], filter_string=f"tags.`{KEY_TAG}` = '{key}'", order_by=newest_first, max_results=1
+    )
+    return found[0] if found else None
 
 
 def absolute_uri(uri: str) -> str:
@@ -164,9 +172,9 @@ def log_params(mlflow_client: Any, run_id: str, params: dict[str, str]) -> None:
         mlflow_client.log_batch(run_id, params=items[start : start + BATCH_PARAMS])
 
 
-def close_run(config: Any, status: str, artifacts: dict[str, bytes], tags: dict[str, str] | None = None) -> None:
+def close_run(config: Any, status: str | None, artifacts: dict[str, bytes], tags: dict[str, str] | None = None) -> None:
     """Log ``artifacts`` (artifact path: bytes), set ``tags`` and end the MLflow run of ``config``
-    (``status``: FINISHED, FAILED or KILLED); nothing without one; a failure is a warning line."""
+    (``status``: FINISHED, FAILED or KILLED; None: as it is); nothing without one; a failure is a warning line."""
     if config.mlflow_run_id is None:
         return
     try:
@@ -174,7 +182,8 @@ def close_run(config: Any, status: str, artifacts: dict[str, bytes], tags: dict[
         log_artifacts(mlflow_client, config.mlflow_run_id, artifacts)
         for name, value in (tags or {}).items():
             mlflow_client.set_tag(config.mlflow_run_id, name, value)
-        mlflow_client.set_terminated(config.mlflow_run_id, status)
+        if status is not None:
+            mlflow_client.set_terminated(config.mlflow_run_id, status)
     except Exception as exc:  # noqa: BLE001  # tracking never ends a run
         warning(_failed(config.mlflow_tracking_uri, exc))
 
@@ -265,9 +274,21 @@ def log_outputs(config: Any, run: str, name: str, files: Sequence[str | Path], p
     command's outputs about a run, ``eval``'s), a new MLflow run named ``name`` when it has none."""
     if not config.mlflow:
         return
-    opened = open_run(config, run, name, resumes=True, tags={"raytrain_mp.run": run}, params={})
     artifacts = {f"{prefix}/{Path(file).name}": Path(file).read_bytes() for file in files}
-    close_run(opened, "FINISHED", artifacts)
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "MLflow's default tracking URI")
+    try:
+        uri = tracking_uri(config)
+        mlflow_client = client(uri)
+        found = newest_run(mlflow_client, experiment_id(mlflow_client, config.mlflow_experiment), run)
+    except Exception as exc:  # noqa: BLE001  # tracking never ends a command
+        warning(_failed(uri, exc))
+        return
+    if found is not None:  # the training run's status and end time stay its own
+        trained = dataclasses.replace(config, mlflow_tracking_uri=uri, mlflow_run_id=found.info.run_id)
+        close_run(trained, None, artifacts)
+    else:
+        opened = open_run(config, run, name, resumes=False, tags={"raytrain_mp.run": run}, params={})
+        close_run(opened, "FINISHED", artifacts)
 
 
 def run_status(exc: BaseException | None) -> str:

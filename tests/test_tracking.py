@@ -14,10 +14,10 @@ import pytest
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.run_log import RunLog
 from raytrain_mp.storage import locate
-from raytrain_mp.tracking import Tracker, absolute_uri, open_run, params_of
+from raytrain_mp.tracking import Tracker, absolute_uri, close_run, log_outputs, open_run, params_of
 
 from helpers import closed_port, run_cli, run_without
-from mlflow_check import history, runs_of
+from mlflow_check import artifacts, history, runs_of
 
 
 @pytest.mark.parametrize("command", ["ddp", "pipeline", "tune", "eval"])
@@ -118,3 +118,21 @@ def test_an_unreachable_server_is_one_warning_and_the_run_goes_on(tmp_path, monk
     log.close()
     assert len(warnings) == 1 and warnings[0].startswith(f"MLflow at {uri}: ")
     assert (tmp_path / "run" / "metrics.csv").read_text().count("\nstep,") == 2
+
+
+def test_outputs_join_the_run_of_their_folder_and_leave_its_status(mlflow_server, tmp_path, monkeypatch):
+    """``eval --mlflow``'s files go under ``eval/OUT`` of the run that trained the checkpoint (its
+    status as it was: a failed run stays FAILED), or into a new run for a folder MLflow never saw."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    cfg = tracked_config(tmp_path, "outputs")
+    failed = open_run(cfg, "/runs/failed", "failed", resumes=False)
+    close_run(failed, "FAILED", {})
+    (tmp_path / "eval.json").write_text("{}")
+    for folder in ("/runs/failed", "/runs/untracked"):
+        log_outputs(cfg, folder, f"eval {folder}", [tmp_path / "eval.json"], "eval/val-1")
+    runs = {run.info.run_name: run for run in runs_of(mlflow_server, "outputs")}
+    assert {name: run.info.status for name, run in runs.items()} == {
+        "failed": "FAILED", "eval /runs/untracked": "FINISHED"
+    }  # fmt: skip
+    for run in runs.values():
+        assert artifacts(mlflow_server, run.info.run_id, "eval/val-1") == {"eval/val-1/eval.json"}
