@@ -291,10 +291,8 @@ def log_outputs(config: Any, run: str, name: str, files: Sequence[str | Path], p
         close_run(opened, "FINISHED", artifacts)
 
 
-def run_status(exc: BaseException | None) -> str:
-    """MLflow's end status of a run that raised ``exc`` (None: it finished)."""
-    if exc is None:
-        return "FINISHED"
+def run_status(exc: BaseException) -> str:
+    """MLflow's end status of a run that raised ``exc``: KILLED by a signal or Ctrl-C, else FAILED."""
     return "KILLED" if isinstance(exc, (Interrupted, KeyboardInterrupt, SystemExit)) else "FAILED"
 
 

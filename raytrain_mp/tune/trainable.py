@@ -85,7 +85,9 @@ def run_trial(params: dict[str, Any], template: DDPConfig, experiment: str) -> N
     cfg = dataclasses.replace(cfg, **start_of(tune.get_checkpoint(), tune.get_context(), experiment))
     cfg.validate()
     # --mlflow: a child of the sweep's MLflow run a Train run (a PBT exploit starts a new one)
-    tags = {"raytrain_mp.trial": tune.get_context().get_trial_id(), "raytrain_mp.resumed_from": str(cfg.resume_from)}
+    tags = {"raytrain_mp.trial": tune.get_context().get_trial_id()}
+    if cfg.resume_from is not None:  # a PBT exploit: another trial's checkpoint
+        tags["raytrain_mp.resumed_from"] = cfg.resume_from
     with tracked(cfg, locate(experiment, "storage_path").child(cfg.name), "tune trial", True, tags=tags) as mlflow:
         last = fit_reporting(mlflow.config)
         mlflow.checkpoint = last[1].path if last and last[1] else None
