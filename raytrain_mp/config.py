@@ -43,6 +43,8 @@ from raytrain_mp.pretrained import check_syntax as check_weights_syntax
 C = TypeVar("C")
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+LAYOUTS = ("channels_last", "contiguous")  # memory formats a model computes in (``memory_format``)
+MEMORY_FORMATS = ("auto", *LAYOUTS)  # what a trainer accepts: a layout, or measure both
 LR_RULES = ("linear", "sqrt", "none")
 LR_DECAYS = ("cosine", "step", "none")
 

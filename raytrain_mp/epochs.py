@@ -1,10 +1,10 @@
 """What both training loops (``ddp.loop``, ``pipeline.run``) decide around their epochs, once.
 
 The run's model in the run's dtype (from ``--precision``, with ``--bn-momentum`` applied) with its
-pretrained weights resolved on the driver (``with_checked_model``), when a checkpoint is due, the
-line each epoch ends with, and the note a run ends with when its BatchNorm running statistics cannot
-have converged (``bn_momentum``). Functions of a training command's config, the data set and the
-position in the run (no Ray, no files but the weights' cache):
+pretrained weights resolved and ``--compile`` probed on the driver (``with_checked_model``), when a
+checkpoint is due, the line each epoch ends with, and the note a run ends with when its BatchNorm
+running statistics cannot have converged (``bn_momentum``). Functions of a training command's
+config, the data set and the position in the run (no Ray, no files but the weights' cache):
 
 - Positions count from 0 for epochs and in steps done: "after ``steps_done`` steps of epoch
   ``epoch``" is global step ``epoch * steps_per_epoch + steps_done``; an epoch's end is
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from raytrain_mp.bn_momentum import convergence_note, set_bn_momentum
+from raytrain_mp.compilation import check_compiler
 from raytrain_mp.models import build_model, check_model
 from raytrain_mp.preprocessing import input_size
 from raytrain_mp.pretrained import resolve
@@ -68,6 +69,7 @@ def with_checked_model(cfg: Any, meta: Any) -> Any:
     cfg = dataclasses.replace(cfg, weights=weights, preprocess=preprocess)
     size = run_input_size(cfg, meta)
     check_model(cfg.model, meta.num_classes, meta.channels, size, cfg.small_stem, cfg.weights, say=say)
+    check_compiler(cfg)  # --compile: can this machine compile at all
     return cfg
 
 

@@ -31,8 +31,11 @@ CONCEPTS = {
 TRAINING_COMMANDS = ("ddp", "pipeline", "tune")
 # Same name, deliberately different default: DDP workers fill nodes, pipeline stages share one; a
 # DDP worker's loader processes come out of --cpus-per-worker (None: all of them but one), a
-# pipeline stage's on top of --cpus-per-stage, its torch threads (0: none).
-DIFFERENT_DEFAULTS = {"placement", "loader_workers"}
+# pipeline stage's on top of --cpus-per-stage, its torch threads (0: none). A DDP model computes
+# contiguous, as the torchrun script a user compares it with, unless asked to time the layouts
+# (auto: a choice by timing, so runs of different worker counts could differ by rounding); a
+# pipeline stage, which no single script runs, is timed.
+DIFFERENT_DEFAULTS = {"placement", "loader_workers", "memory_format"}
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:

@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from raytrain_mp.config import check, check_choice, check_local, check_writable, option
+from raytrain_mp.config import MEMORY_FORMATS, check, check_choice, check_local, check_writable, option
 from raytrain_mp.data.augment import POLICIES
 from raytrain_mp.models import MODEL_HELP, RESNET_NAMES, check_model_syntax
-from raytrain_mp.pipeline.layouts import MEMORY_FORMATS
 from raytrain_mp.pipeline.schedule import SCHEDULES
 
 LAYER3_SPLIT = ("layer3",)

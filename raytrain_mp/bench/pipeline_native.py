@@ -55,7 +55,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from raytrain_mp.bench.common import join_torchrun_group, summarize, timed
 from raytrain_mp.bench.pipeline.shared import seeded_mlp, seeded_setup, sgd, stage_modules, virtual_stages
-from raytrain_mp.pipeline.memory_format import in_layout
+from raytrain_mp.memory_format import in_layout
 from raytrain_mp.pipeline.schedule import SCHEDULES, stage_indices
 
 SETUPS = {"seeded_setup": seeded_setup, "seeded_mlp": seeded_mlp}

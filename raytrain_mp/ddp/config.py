@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from raytrain_mp.config import TrainOptions, check, check_choice, option
+from raytrain_mp.compile_options import CompileOptions
+from raytrain_mp.config import MEMORY_FORMATS, TrainOptions, check, check_choice, option
 from raytrain_mp.data.recipe_options import RecipeOptions
 from raytrain_mp.ddp.elastic import check_world_sizes, parse_worker_range
 from raytrain_mp.tracking_options import TrackingOptions
@@ -16,7 +17,7 @@ DDP_PLACEMENTS = ("PACK", "SPREAD")
 
 
 @dataclasses.dataclass
-class DDPConfig(TrackingOptions, RecipeOptions, TrainOptions):
+class DDPConfig(CompileOptions, TrackingOptions, RecipeOptions, TrainOptions):
     FAULTS_AT_STEPS = True  # --inject-fault also takes sSTEP: after a global step
 
     num_workers: int | str = option(
@@ -63,10 +64,18 @@ class DDPConfig(TrackingOptions, RecipeOptions, TrainOptions):
     placement: str = option(
         "PACK", "worker placement: PACK fills a node first, SPREAD puts one per node where it can", DDP_PLACEMENTS
     )
+    memory_format: str = option(
+        "contiguous",
+        "layout the model computes in: contiguous (NCHW, what a torchrun script runs), channels_last (NHWC), or auto: "
+        "the faster of the two, timed on the first start on one micro-batch as the run computes (compiled under "
+        "--compile) and kept for the whole run",
+        MEMORY_FORMATS,
+    )
 
     def validate(self) -> None:
         super().validate()
         check_choice(self, "placement")
+        check_choice(self, "memory_format")
         low, high = parse_worker_range(self.num_workers)
         check(self.resize_interval > 0, "resize_interval", f"must be > 0 seconds, got {self.resize_interval}")
         check(self.resize_timeout > 0, "resize_timeout", f"must be > 0 seconds, got {self.resize_timeout}")

@@ -52,11 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 from raytrain_mp.checkpointing import (
     checkpoint_name,
     checkpoint_state,
-    load_checkpoint,
-    load_ema,
     plain_state_dict,
-    read_checkpoint,
-    read_ema,
     report_checkpoint,
     resumed_at,
     set_rng_states,
@@ -69,10 +65,12 @@ from raytrain_mp.data.repeated import RepeatedSampler
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate, global_count
 from raytrain_mp.ddp.elastic import items_to_skip
+from raytrain_mp.ddp.execution import Execution, autocast_for, prepare_runner
+from raytrain_mp.ddp.restored import Restored, read_restored
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 from raytrain_mp.ddp.watch import rank_zero_console
 from raytrain_mp.ema import ModelEMA, adjusted_decay
-from raytrain_mp.epochs import build_run_model, checkpoint_due, epoch_line, run_dtype
+from raytrain_mp.epochs import build_run_model, checkpoint_due, epoch_line, run_dtype, run_input_size
 from raytrain_mp.fault_injection import FaultSpec
 from raytrain_mp.finetune import freeze_backbone, lr_scales
 from raytrain_mp.lr_schedule import schedule_for
@@ -80,7 +78,7 @@ from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import build_optimizer, load_under_own_options
 from raytrain_mp.progress import Progress
 from raytrain_mp.run_log import RunLog
-from raytrain_mp.storage import join, locate, name_of
+from raytrain_mp.storage import locate
 from raytrain_mp.tracking import Tracker
 from raytrain_mp.views import Views
 
@@ -96,20 +94,19 @@ def train_loop_per_worker(config: dict) -> None:
     dtype = run_dtype(cfg.precision)
 
     data = build_data(cfg, rank, world, device, dtype)
-    ddp = build_ddp(cfg, data.meta, world, device)
-    worker = build_worker(cfg, rank, world, device, ddp, data.steps_per_epoch)
-    resume_dir, start_epoch, skip, carried = restore(worker, data.steps_per_epoch)
+    restored = read_restored(cfg)
+    model, ddp, execution = build_ddp(cfg, data, world, device, dtype, restored)
+    worker = build_worker(cfg, rank, world, device, model, ddp, execution, data.steps_per_epoch)
+    resume_dir, start_epoch, skip, carried = restore(worker, restored, data.steps_per_epoch)
     start_step = start_epoch * data.steps_per_epoch + skip
     worker.history = [*worker.history, [start_step, world]]
     if rank == 0:
         worker.out = rank_zero_console(cfg.name, cfg.quiet)
-        if resume_dir is not None:
-            worker.out.say(
-                f"resumed from {resume_dir} at epoch {start_epoch + 1}" + (f" step {skip + 1}" if skip else "")
-            )
-        worker.out.say(
-            f"{world} worker{'s' * (world > 1)} on {num_nodes} node{'s' * (num_nodes > 1)} from step {start_step}"
-        )
+        resumed = f"resumed from {resume_dir} at epoch {start_epoch + 1}" + (f" step {skip + 1}" if skip else "")
+        workers = f"{world} worker{'s' * (world > 1)} on {num_nodes} node{'s' * (num_nodes > 1)} from step {start_step}"
+        # then the memory format auto chose, and whether compiling pays (``execution``)
+        for line in [resumed] * (resume_dir is not None) + [workers, *execution.lines]:
+            worker.out.say(line)
         run = locate(cfg.storage_path, "--storage-path").child(cfg.name)
         # metrics.csv, TensorBoard, curves.png (its lr panel: the schedule at every step)
         worker.log = RunLog(
@@ -146,6 +143,7 @@ class Data:
     val_input: Callable
     steps_per_epoch: int
     num_classes: int
+    sample_shape: tuple[int, ...]  # of a training micro-batch as the model gets it
 
 
 @dataclass
@@ -157,13 +155,15 @@ class Worker:
     rank: int
     world: int
     device: torch.device
-    ddp: DistributedDataParallel
+    model: nn.Module  # what the state dicts, the optimizer and the weight average hold
+    ddp: DistributedDataParallel  # over the model as it computes (``execution``)
+    execution: Execution
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler
     autocast: Callable
     fault: FaultSpec | None
-    ema: ModelEMA | None = None  # --model-ema's average of ``ddp.module``
+    ema: ModelEMA | None = None  # --model-ema's average of ``model``
     history: list = field(default_factory=list)  # [global step, world size] of each start of the run
     out: Any = None  # rank 0's console (``watch``)
     log: RunLog | None = None  # rank 0's
@@ -197,28 +197,43 @@ def build_data(cfg: DDPConfig, rank: int, world: int, device: torch.device, dtyp
         raise ValueError(f"--global-batch-size {cfg.global_batch_size} exceeds the {len(train_ds)} training samples")
     inputs = {"device": device, "dtype": dtype}
     to_input, val_input = partial(train_ds.transform, **inputs), partial(val_ds.transform, **inputs)
-    return Data(meta, sampler, train_loader, val_loader, to_input, val_input, steps_per_epoch, meta.num_classes)
+    size = run_input_size(cfg, meta)
+    shape = (micro_batch, meta.channels, size, size)
+    return Data(meta, sampler, train_loader, val_loader, to_input, val_input, steps_per_epoch, meta.num_classes, shape)
 
 
-def build_ddp(cfg: DDPConfig, meta, world: int, device: torch.device) -> DistributedDataParallel:
-    """Same seeded init on every rank (DDP broadcasts rank 0's parameters anyway); BatchNorm synchronized."""
+def build_ddp(
+    cfg: DDPConfig, data: Data, world: int, device: torch.device, dtype: torch.dtype, restored: Restored | None
+) -> tuple[nn.Module, DistributedDataParallel, Execution]:
+    """Same seeded init on every rank (DDP broadcasts rank 0's parameters anyway); BatchNorm
+    synchronized; DDP over the model in the run's layout, compiled under --compile (``execution``)."""
     torch.manual_seed(cfg.seed)
-    model = build_run_model(cfg, meta)
+    model = build_run_model(cfg, data.meta)
     if cfg.sync_bn and world > 1:
         model = convert_sync_batchnorm(model, device=device)
     if cfg.freeze_backbone:  # after the conversion, whose new BatchNorm layers would not keep the freeze
         freeze_backbone(model)
     model.to(device)
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    carried = restored.train_state.get("memory_format") if restored is not None else None
+    runner, execution = prepare_runner(cfg, model, data.sample_shape, dtype, device, carried)
+    ddp = DistributedDataParallel(runner, device_ids=[device.index] if device.type == "cuda" else None)
+    return model, ddp, execution
 
 
 def build_worker(
-    cfg: DDPConfig, rank: int, world: int, device: torch.device, ddp: DistributedDataParallel, steps_per_epoch: int
+    cfg: DDPConfig,
+    rank: int,
+    world: int,
+    device: torch.device,
+    model: nn.Module,
+    ddp: DistributedDataParallel,
+    execution: Execution,
+    steps_per_epoch: int,
 ) -> Worker:
     """The optimizer at the schedule's peak lr, the schedule per global step, the fp16 GradScaler,
     the weight average (``--model-ema``)."""
     schedule = schedule_for(cfg, steps_per_epoch)
-    scales = lr_scales(ddp.module, cfg.backbone_lr_scale) if cfg.backbone_lr_scale != 1 else None
+    scales = lr_scales(model, cfg.backbone_lr_scale) if cfg.backbone_lr_scale != 1 else None
     optimizer = build_optimizer(
         ddp.parameters(), cfg.optimizer, schedule.peak_lr, cfg.momentum, cfg.weight_decay, scales, cfg.norm_weight_decay
     )
@@ -228,28 +243,20 @@ def build_worker(
     ema = None
     if cfg.model_ema:
         decay = adjusted_decay(cfg.model_ema_decay, cfg.model_ema_steps, cfg.global_batch_size, cfg.epochs)
-        ema = ModelEMA(ddp.module, decay, cfg.model_ema_steps, cfg.warmup_epochs)
+        ema = ModelEMA(model, decay, cfg.model_ema_steps, cfg.warmup_epochs)
     fault = FaultSpec.parse(cfg.inject_fault)
-    return Worker(cfg, rank, world, device, ddp, optimizer, scheduler, scaler, autocast, fault, ema)
+    return Worker(cfg, rank, world, device, model, ddp, execution, optimizer, scheduler, scaler, autocast, fault, ema)
 
 
-def restore(worker: Worker, steps_per_epoch: int) -> tuple[str | None, int, int, tuple[float, float]]:
+def restore(
+    worker: Worker, restored: Restored | None, steps_per_epoch: int
+) -> tuple[str | None, int, int, tuple[float, float]]:
     """(where from, epoch, step, the epoch's carried (loss sum, samples)) of the checkpoint the run
-    continues from: Ray's (a restarted worker group, a rerun of the same name) wins over --resume-from."""
-    cfg = worker.cfg
-    restored = ray.train.get_checkpoint()
-    if restored is not None:
-        with restored.as_directory() as d:
-            model_state, train_state = read_checkpoint(d)
-            ema_state = read_ema(d)
-        resume_dir = join(cfg.storage_path, cfg.name, name_of(restored.path))  # Ray's path lacks a URI's scheme
-    elif cfg.resume_from:
-        folder = locate(cfg.resume_from, "--resume-from")
-        (model_state, train_state), ema_state = load_checkpoint(folder), load_ema(folder)
-        resume_dir = cfg.resume_from
-    else:
+    continues from, its states loaded into ``worker``."""
+    if restored is None:
         return None, 0, 0, (0.0, 0.0)
-    worker.ddp.module.load_state_dict(model_state, strict=True)
+    model_state, train_state, ema_state = restored.model_state, restored.train_state, restored.ema_state
+    worker.model.load_state_dict(model_state, strict=True)
     load_under_own_options(worker.optimizer, worker.scheduler, train_state["optimizer"], train_state["scheduler"])
     worker.scaler.load_state_dict(train_state["scaler"])
     set_rng_states(train_state["rng"])
@@ -257,7 +264,7 @@ def restore(worker: Worker, steps_per_epoch: int) -> tuple[str | None, int, int,
         worker.ema.load(ema_state, train_state["ema_averaged"])
     worker.history = train_state.get("world_size_history", [])
     (start_epoch, skip), carried = resumed_at(train_state, steps_per_epoch, (0.0, 0.0))
-    return resume_dir, start_epoch, skip, carried
+    return restored.folder, start_epoch, skip, carried
 
 
 def train_epoch(
@@ -286,9 +293,13 @@ def train_epoch(
             micro = mixed(micro, data, cfg, epoch, global_step)
         count, step_lr = train_step(worker, data.to_input, micro, loss_sum)
         if worker.ema is not None:
-            worker.ema.after_step(worker.ddp.module, epoch, step)
+            worker.ema.after_step(worker.model, epoch, step)
         samples += count
         trained += count
+        if worker.execution.watch is not None:  # the first step of this start compiled
+            if worker.rank == 0:
+                worker.out.say(worker.execution.watch.line())
+            worker.execution.watch = None
         update = worker.progress.step(global_step + 1)
         if worker.rank == 0 and update:
             running_loss = loss_sum.item() / samples
@@ -396,19 +407,12 @@ def report(worker: Worker, metrics: dict, epoch: int, step: int, epoch_loss: Any
             scheduler=worker.scheduler.state_dict(),
             scaler=worker.scaler.state_dict(),
             world_size_history=worker.history,
+            memory_format=worker.execution.layout,
             **({"ema_averaged": worker.ema.averaged} if worker.ema is not None else {}),
         )
         ema = plain_state_dict(worker.ema.module) if worker.ema is not None else None
-        checkpoint = (plain_state_dict(worker.ddp), train_state, to_yaml(worker.cfg), ema)
+        checkpoint = (plain_state_dict(worker.model), train_state, to_yaml(worker.cfg), ema)
     report_checkpoint(metrics, checkpoint_name(epoch + 1, step), checkpoint, worker.log)
-
-
-def autocast_for(precision: str, device: torch.device):
-    if precision == "bf16":
-        return partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
-    if precision == "fp16":
-        return partial(torch.autocast, device_type=device.type, dtype=torch.float16)
-    return nullcontext
 
 
 def maybe_inject_fault(fault: FaultSpec | None, rank: int, at: str) -> None:

@@ -1,12 +1,14 @@
 """Pipelined model parallelism: a model cut into stages, one Ray actor each, run by a schedule.
 
+A stage computes in a layout of the shared ``memory_format``, compiled by the shared ``compilation``
+under ``--compile``.
+
 Pure pieces (no Ray): ``block`` (what a block is), ``blocks`` (model -> named blocks; ``traced`` for a
 model cut from its torch.fx graph), ``partition`` (blocks -> stages), ``schedule`` (the schedule
 registry: each one's torch class, limits, ideal bubble, stage layout), ``microbatch`` (batch ->
 micro-batches), ``deferred_bn``, ``replicas`` (data x pipeline: rank layout, batch shares, replica
 placement, BatchNorm merge weights), ``handoff`` (a batch to a stage actor, zero-copy), ``layouts``
-(memory-format names), ``memory_format`` (a stage's layout: channels-last or contiguous inside,
-contiguous at its edges), ``busy_clock`` (the seconds a rank computes, timed on its device). Ray pieces:
+(placement strategy names), ``busy_clock`` (the seconds a rank computes, timed on its device). Ray pieces:
 ``feed`` (a replica's batches read on its first and last stage: ``StageData``), ``stage`` (one rank's
 actor body, running torch.distributed.pipelining's schedules) with ``stage_config`` (what a rank is
 given, its device), ``timed_stage`` (torch's stage, timed, receives posted ahead, last backward split)

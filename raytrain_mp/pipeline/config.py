@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from raytrain_mp.config import TrainOptions, check, check_choice, option
+from raytrain_mp.config import MEMORY_FORMATS, TrainOptions, check, check_choice, option
 from raytrain_mp.data.recipe_options import RecipeOptions
 from raytrain_mp.errors import OptionError
-from raytrain_mp.pipeline.layouts import MEMORY_FORMATS, PLACEMENT_STRATEGIES
+from raytrain_mp.pipeline.layouts import PLACEMENT_STRATEGIES
 from raytrain_mp.pipeline.schedule import SCHEDULES
 from raytrain_mp.tracking_options import TrackingOptions
 

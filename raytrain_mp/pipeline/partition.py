@@ -42,9 +42,9 @@ from math import inf
 import torch
 from torch import Tensor, nn
 
+from raytrain_mp.config import LAYOUTS
 from raytrain_mp.errors import OptionError, UsageError
 from raytrain_mp.pipeline.block import Block, Carry
-from raytrain_mp.pipeline.layouts import LAYOUTS
 
 BALANCE_MODES = ("time", "params")
 NEGLIGIBLE_SHARE = 0.01  # a stage with less than this share of the total cost is negligible
@@ -325,7 +325,7 @@ def profile_blocks(
     memory_format: str = "contiguous",
 ) -> list[tuple[float, float]]:
     """Median (forward, backward) seconds of each block on ``device``, for one input ``sample``,
-    in ``memory_format`` (``layouts.MEMORY_FORMATS``; ``"auto"`` times both layouts and
+    in ``memory_format`` (``config.MEMORY_FORMATS``; ``"auto"`` times both layouts and
     takes each block's faster one, a stage's measured choice being made over whole stages later).
 
     ``sample`` should be shaped like one micro-batch: per-sample cost is not constant in the

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from raytrain_mp.config import MEMORY_FORMATS
 from raytrain_mp.errors import OptionError, UsageError
-from raytrain_mp.pipeline.layouts import MEMORY_FORMATS
 from raytrain_mp.pipeline.microbatch import check_microbatches
 from raytrain_mp.pipeline.partition import BALANCE_MODES, check_stage_count
 from raytrain_mp.pipeline.replicas import check_replicas

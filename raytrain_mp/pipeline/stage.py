@@ -73,13 +73,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from raytrain_mp.allocator import keep_freed_memory
+from raytrain_mp.memory_format import faster_layout, in_layout
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline.busy_clock import busy_clock
 from raytrain_mp.pipeline.deferred_bn import commit_deferred_batchnorm, convert_deferred_batchnorm
 from raytrain_mp.pipeline.feed import StageFeed
 from raytrain_mp.pipeline.handoff import from_wire
-from raytrain_mp.pipeline.memory_format import faster_layout, in_layout
 from raytrain_mp.pipeline.replica_sync import merge_deferred_stats, merge_running_stats, snapshot, sum_gradients
 from raytrain_mp.pipeline.replicas import pipeline_ranks, stage_ranks
 from raytrain_mp.pipeline.schedule import Schedule
@@ -244,7 +244,7 @@ class StageWorker(StageState):
         return Autocast(module, self.device.type) if self.config.autocast_bf16 else module
 
     def memory_formats(self) -> list[str]:
-        """The layout each of this rank's stages computes in (``layouts.LAYOUTS``)."""
+        """The layout each of this rank's stages computes in (``config.LAYOUTS``)."""
         return list(self._layouts)
 
     # -- training ----------------------------------------------------------------------------------

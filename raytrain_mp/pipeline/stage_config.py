@@ -46,7 +46,7 @@ class StageConfig:
     num_cpus: int = 1
     deferred_bn: bool = False
     autocast_bf16: bool = False
-    memory_format: str = "contiguous"  # or channels_last, or auto (layouts.MEMORY_FORMATS)
+    memory_format: str = "contiguous"  # or channels_last, or auto (config.MEMORY_FORMATS)
     p2p_timeout_s: float = 300.0
     replica: int = 0
     num_replicas: int = 1

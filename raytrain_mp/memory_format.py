@@ -1,11 +1,13 @@
-"""The memory format a stage computes in: channels-last or contiguous, chosen per stage by
-measurement, while every tensor that crosses a stage boundary stays contiguous.
+"""The memory format a model or a pipeline stage computes in: channels-last or contiguous, chosen by
+measurement, while every tensor that crosses its edges stays contiguous.
 
 Job: ``in_layout(module, layout)`` stores the module's 4-D weights in ``layout`` (torch's own
 ``nn.Module.to(memory_format=...)``, in place) and returns what runs it: for ``"channels_last"`` a
 ``ChannelsLast`` wrapper, which runs it on a channels-last copy of a 4-D input and hands back a
-contiguous output; for ``"contiguous"`` the module itself. ``faster_layout`` times a copy of a
-stage in both layouts on one micro-batch and names the faster (``"auto"``).
+contiguous output; for ``"contiguous"`` the module itself. ``layout_seconds`` times a copy of a
+module in each layout on one micro-batch, as it will run (compiled under ``--compile``: the copy's
+graphs are the module's, so its compile fills the cache the module then reads); ``faster_layout``
+names the faster (``"auto"``). Used by the pipeline's stages and by the DDP loop alike.
 
 Why: convolutions on NHWC run faster where the kernels are written for it (oneDNN on CPUs, tensor
 cores under autocast on GPUs), but not everywhere: on ResNet-50 channels-last speeds the early,
@@ -14,7 +16,7 @@ high-resolution layers up and slows the late 8x8 and 4x4 ones down (the figures:
 ``PipelineStage`` sizes its receive buffers from shapes (contiguous), and a P2P transfer (gloo,
 NCCL) moves a tensor's storage as raw bytes, so a channels-last activation or gradient sent as it
 is would arrive scrambled into the peer's buffer. This module is that boundary, written once for
-the trainer and the benchmark.
+the trainers and the benchmark.
 
 Invariants:
 - Only the layout changes: values equal those of the contiguous module (up to the summation
@@ -23,7 +25,7 @@ Invariants:
   built over them are unchanged; tensors that are not 4-D floating point pass untouched.
 - What ``in_layout`` returns gives a contiguous output, and the gradient of its input comes back
   contiguous: what a receive buffer expects.
-- ``faster_layout`` works on a copy: the module's parameters, gradients and BatchNorm statistics
+- ``layout_seconds`` and ``faster_layout`` work on a copy: the module's parameters, gradients and BatchNorm statistics
   are left as they were.
 """
 
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from raytrain_mp.pipeline.layouts import LAYOUTS
+from raytrain_mp.config import LAYOUTS
 
 _FORMAT = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
 
@@ -79,23 +81,27 @@ def in_layout(module: nn.Module, layout: str) -> nn.Module:
     return module.to(memory_format=_FORMAT[layout])
 
 
-def faster_layout(
+def layout_seconds(
     module: nn.Module,
     sample: Tensor,
     input_grad: bool,
     wrap: Callable[[nn.Module], nn.Module] = lambda m: m,
+    compile: Callable[[nn.Module], Callable] | None = None,
+    layouts: tuple[str, ...] = LAYOUTS,
     repeats: int = 2,
-) -> str:
-    """The layout in which a copy of ``module`` (run through ``wrap``, e.g. under autocast) takes
-    the least forward+backward seconds on ``sample`` (with its gradient when ``input_grad``, as
-    every stage but the first computes it): the median of ``repeats`` passes after one untimed
-    pass per layout. ``"contiguous"`` when ``sample`` is not a 4-D floating point tensor (there is
-    nothing to choose)."""
+) -> dict[str, float]:
+    """The forward+backward seconds of a copy of ``module`` (run through ``wrap``, e.g. under
+    autocast, then ``compile`` where given) on ``sample`` (with its gradient when ``input_grad``,
+    as every stage but the first computes it) in each of ``layouts``: the median of ``repeats``
+    passes after one untimed pass (the one that compiles). Empty when ``sample`` is not a 4-D
+    floating point tensor (there is no layout to choose)."""
     if not _is_image(sample):
-        return "contiguous"
+        return {}
     seconds = {}
-    for layout in LAYOUTS:
+    for layout in layouts:
         runner = in_layout(wrap(copy.deepcopy(module)), layout)
+        if compile is not None:
+            runner = compile(runner)
         x = sample.detach().clone().requires_grad_(input_grad)
         passes = []
         for _ in range(repeats + 1):
@@ -105,7 +111,21 @@ def faster_layout(
                 torch.cuda.synchronize(x.device)
             passes.append(time.perf_counter() - start)
         seconds[layout] = statistics.median(passes[1:])
-    return min(LAYOUTS, key=seconds.__getitem__)
+    return seconds
+
+
+def faster_layout(
+    module: nn.Module,
+    sample: Tensor,
+    input_grad: bool,
+    wrap: Callable[[nn.Module], nn.Module] = lambda m: m,
+    compile: Callable[[nn.Module], Callable] | None = None,
+    repeats: int = 2,
+) -> str:
+    """The layout in which ``layout_seconds`` finds the least seconds; ``"contiguous"`` when
+    ``sample`` is not a 4-D floating point tensor (there is nothing to choose)."""
+    seconds = layout_seconds(module, sample, input_grad, wrap, compile, repeats=repeats)
+    return min(seconds, key=seconds.__getitem__) if seconds else "contiguous"
 
 
 def _is_image(x: Tensor) -> bool:

@@ -9,10 +9,10 @@ import copy
 import torch
 from torch import nn
 
+from raytrain_mp.config import LAYOUTS
+from raytrain_mp.memory_format import ChannelsLast, faster_layout, in_layout
 from raytrain_mp.models import build_model
 from raytrain_mp.pipeline.blocks import StageModule, flatten_model
-from raytrain_mp.pipeline.layouts import LAYOUTS
-from raytrain_mp.pipeline.memory_format import ChannelsLast, faster_layout, in_layout
 
 
 def _stage() -> tuple[nn.Module, nn.Module]:
