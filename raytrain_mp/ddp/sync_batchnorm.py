@@ -20,6 +20,9 @@ Invariants:
 - Every rank runs the same collectives in the same order: one all_gather per forward, one
   all_reduce per backward that needs an input gradient (none when the global batch is empty).
 - Otherwise (eval mode, no process group, world size 1) it runs ``nn.BatchNorm``'s own code.
+- ``torch.compile`` traces a layer whole (``compilation``): the global count is read on the host
+  (a graph break) only where this rank holds fewer than two samples, the one case where the other
+  ranks decide between an empty batch, one sample and a normal step.
 - Parameters, buffers and state-dict keys are ``nn.BatchNorm``'s, so state dicts load either way
   with ``strict=True``.
 """
@@ -82,15 +85,22 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         means = stats[:, 1 : 1 + channels]
         m2s = stats[:, 1 + channels :]
 
-        total = int(counts.sum().item())
-        if total == 1:
-            raise ValueError(
-                "Expected more than 1 value per channel when training, got 1 over all ranks "
-                f"(local input size {tuple(input.shape)})"
-            )
         ctx.process_group = process_group
+        ctx.empty = False
+        if count > 1:
+            # This rank alone makes the global batch larger than one: the count stays a tensor, with
+            # no host sync, and torch.compile traces on (a Tensor.item() would break the graph).
+            total = counts.sum()
+        else:  # the other ranks decide whether the global batch is empty or a single sample
+            total = int(counts.sum().item())
+            if total == 1:
+                raise ValueError(
+                    "Expected more than 1 value per channel when training, got 1 over all ranks "
+                    f"(local input size {tuple(input.shape)})"
+                )
+            ctx.empty = total == 0
         ctx.total = total
-        if total == 0:
+        if ctx.empty:
             # Like nn.BatchNorm on an empty batch: empty output, running statistics untouched.
             ctx.save_for_backward(input, weight, None, None)
             return torch.empty_like(input)
@@ -125,7 +135,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         reduce_dims = [0, *range(2, ndim)]
         channels = input.shape[1]
 
-        if ctx.total == 0:
+        if ctx.empty:
             grad_input = torch.zeros_like(input) if needs_input else None
             grad_weight = input.new_zeros(channels) if needs_weight else None
             grad_bias = input.new_zeros(channels) if needs_bias else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from raytrain_mp.compile_options import CompileOptions
 from raytrain_mp.config import check, check_choice, check_local, check_writable, option
 from raytrain_mp.tracking_options import TrackingOptions
 
@@ -30,7 +31,7 @@ def check_file_writable(name: str, path: str) -> None:
 
 
 @dataclasses.dataclass
-class EvalConfig(TrackingOptions):
+class EvalConfig(CompileOptions, TrackingOptions):
     """``raytrain-mp eval``: exact evaluation of a checkpoint on a split, on Ray Train workers;
     ``--mlflow``: its outputs as artifacts of the MLflow run of the checkpoint's run."""
 
@@ -71,7 +72,7 @@ class EvalConfig(TrackingOptions):
 
 
 @dataclasses.dataclass
-class PredictConfig:
+class PredictConfig(CompileOptions):
     """``raytrain-mp predict``: the top-k classes of image files, preprocessed as the run's validation split."""
 
     checkpoint: str = option("", CHECKPOINT_HELP, group="checkpoints")
@@ -86,6 +87,7 @@ class PredictConfig:
     json: bool = False
 
     def validate(self) -> None:
+        super().validate()
         check(bool(self.checkpoint), "checkpoint", "required: a run folder, a checkpoint folder, or a URI of either")
         check(bool(self.files), "files", "required: one or more image files or folders")
         check(self.top_k >= 1, "top_k", f"must be >= 1, got {self.top_k}")

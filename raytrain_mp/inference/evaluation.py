@@ -34,11 +34,12 @@ from torch import nn
 
 from raytrain_mp.checkpointing import CHECKPOINT_PREFIX
 from raytrain_mp.cluster import check_fits, resolve_use_gpu, train_log_level
+from raytrain_mp.compilation import check_compiler, compiler
 from raytrain_mp.config import absolute_path
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.loader import EpochKeys, make_loader
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum
-from raytrain_mp.ddp.loop import autocast_for
+from raytrain_mp.ddp.execution import autocast_for
 from raytrain_mp.epochs import running_stats_note
 from raytrain_mp.errors import UsageError
 from raytrain_mp.inference.checkpoint import TrainedRun, check_data_fits, load_run
@@ -74,11 +75,15 @@ class EvalJob:
     run: TrainedRun
     data: str
     split: str
+    compile: bool = False  # --compile: the eval-mode model compiled on each worker (``compilation``)
+    compile_mode: str = "default"
+    compile_cache: str | None = None
 
 
 def with_checked_inputs(cfg: EvalConfig) -> EvalConfig:
     """``cfg`` with the checkpoint resolved (``--checkpoint`` then names the checkpoint folder) and
     ``--data`` resolved and checked against the model; needs no Ray."""
+    check_compiler(cfg)
     run, _ = load_run(cfg.checkpoint, cfg.ema)
     data = cfg.data or run.data
     meta = read_meta(data) if cfg.data else run.meta
@@ -100,6 +105,8 @@ def eval_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device()
     run = job.run
     model = run.build().to(device)
+    compile = compiler(job)
+    model = compile(model) if compile is not None else model
     dtype = run.dtype()
     autocast = autocast_for(run.precision, device)
     meta = read_meta(job.data)
@@ -161,7 +168,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     use_gpu = resolve_use_gpu(cfg.use_gpu, cfg.num_workers, "workers")
     check_fits("--num-workers", cfg.num_workers, 1, 1 if use_gpu else 0)
     run, _ = load_run(cfg.checkpoint, cfg.ema)
-    job = EvalJob(run, cfg.data, cfg.split)
+    job = EvalJob(run, cfg.data, cfg.split, cfg.compile, cfg.compile_mode, cfg.compile_cache)
     results = Results.remote()
     with tempfile.TemporaryDirectory(prefix="raytrain-eval-") as storage:  # Ray Train's run folder; nothing is kept
         trainer = TorchTrainer(

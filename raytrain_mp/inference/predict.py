@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from raytrain_mp.ddp.loop import autocast_for
+from raytrain_mp.compilation import check_compiler, compiler
+from raytrain_mp.ddp.execution import autocast_for
 from raytrain_mp.inference.checkpoint import TrainedRun, load_run
 from raytrain_mp.inference.config import PredictConfig
 from raytrain_mp.inference.images import collect_files, load_image
@@ -38,15 +39,19 @@ class Inputs:
 
 
 def with_checked_inputs(cfg: PredictConfig) -> tuple[PredictConfig, Inputs]:
+    check_compiler(cfg)
     run, _ = load_run(cfg.checkpoint, cfg.ema)
     files = collect_files(cfg.files)
     images = [load_image(f, run.meta, run.views) for f in files]
     return dataclasses.replace(cfg, checkpoint=run.checkpoint), Inputs(run, files, images)
 
 
-def probabilities(run: TrainedRun, images: list[torch.Tensor], model=None) -> torch.Tensor:
-    """Softmax probabilities (N, K) of uint8 images, in batches of ``BATCH``."""
+def probabilities(run: TrainedRun, images: list[torch.Tensor], model=None, options=None) -> torch.Tensor:
+    """Softmax probabilities (N, K) of uint8 images, in batches of ``BATCH``; compiled where
+    ``options`` (``PredictConfig``) say ``--compile``."""
     model = model if model is not None else run.build()
+    compile = compiler(options) if options is not None else None
+    model = compile(model) if compile is not None else model
     device = torch.device("cpu")
     transform = run.transform()
     autocast = autocast_for(run.precision, device)
@@ -68,7 +73,8 @@ def _ray_probabilities(cfg: PredictConfig, inputs: Inputs) -> torch.Tensor:
 
     task = ray.remote(num_cpus=1)(probabilities)
     with ray_connection(cfg.address, cfg.verbose):
-        refs = [task.remote(inputs.run, inputs.images[s : s + CHUNK]) for s in range(0, len(inputs.images), CHUNK)]
+        chunks = [inputs.images[s : s + CHUNK] for s in range(0, len(inputs.images), CHUNK)]
+        refs = [task.remote(inputs.run, chunk, None, cfg) for chunk in chunks]
         return torch.cat(ray.get(refs))
 
 
@@ -76,7 +82,7 @@ def run_predict(cfg: PredictConfig, inputs: Inputs) -> dict:
     if len(inputs.images) >= RAY_THRESHOLD:
         probs = _ray_probabilities(cfg, inputs)
     else:
-        probs = probabilities(inputs.run, inputs.images)
+        probs = probabilities(inputs.run, inputs.images, options=cfg)
     names = inputs.run.meta.class_names
     top = min(cfg.top_k, len(names))
     values, indices = probs.topk(top, dim=1)

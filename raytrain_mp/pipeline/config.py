@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from raytrain_mp.compile_options import CompileOptions
 from raytrain_mp.config import MEMORY_FORMATS, TrainOptions, check, check_choice, option
 from raytrain_mp.data.recipe_options import RecipeOptions
 from raytrain_mp.errors import OptionError
@@ -41,7 +42,7 @@ BALANCES = ("time", "params", "none")
 
 
 @dataclasses.dataclass
-class PipelineConfig(TrackingOptions, RecipeOptions, TrainOptions):
+class PipelineConfig(CompileOptions, TrackingOptions, RecipeOptions, TrainOptions):
     precision: str = option("fp32", "fp32 | bf16 (autocast) | fp64 (verification)", ("fp32", "bf16", "fp64"))
     stages: int = option(2, "pipeline stages, one Ray actor each")
     replicas: int = option(
@@ -173,6 +174,9 @@ class PipelineConfig(TrackingOptions, RecipeOptions, TrainOptions):
             clip_grad_norm=self.clip_grad_norm,
             autocast_bf16=self.precision == "bf16",
             memory_format=self.memory_format,
+            compile=self.compile,
+            compile_mode=self.compile_mode,
+            compile_cache=self.compile_cache,
             placement_strategy=self.placement,
             cpus_per_stage=self.cpus_per_stage,
             virtual_stages=self.virtual_stages,

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from raytrain_mp.compile_options import COMPILE_MODES
 from raytrain_mp.config import MEMORY_FORMATS
 from raytrain_mp.errors import OptionError, UsageError
 from raytrain_mp.pipeline.microbatch import check_microbatches
@@ -51,6 +52,9 @@ class PipelineSpec:
     clip_grad_norm: float | None = None
     autocast_bf16: bool = False
     memory_format: str = "auto"
+    compile: bool = False
+    compile_mode: str = "default"
+    compile_cache: str | None = None
     placement_strategy: str = "STRICT_PACK"
     cpus_per_stage: int = 1
     virtual_stages: int = 1
@@ -88,6 +92,9 @@ class PipelineSpec:
         if self.memory_format not in MEMORY_FORMATS:
             accepted = ", ".join(MEMORY_FORMATS)
             raise OptionError("memory_format", f"unknown layout {self.memory_format!r}; accepted: {accepted}")
+        if self.compile_mode not in COMPILE_MODES:
+            accepted = ", ".join(COMPILE_MODES)
+            raise OptionError("compile_mode", f"unknown mode {self.compile_mode!r}; accepted: {accepted}")
         check_replicas(self.num_replicas)
 
     def validate(self, model: nn.Module, num_blocks: int, sample_input: Tensor | None) -> str | None:
@@ -116,6 +123,9 @@ _STAGE_FIELDS = (
     "deferred_bn",
     "autocast_bf16",
     "memory_format",
+    "compile",
+    "compile_mode",
+    "compile_cache",
     "p2p_timeout_s",
     "num_replicas",
 )

@@ -16,6 +16,8 @@ it got). A CPU rank's allocator keeps the memory a step frees for the next step
 A rank computes each stage in the configured ``memory_format`` (``memory_format``:
 ``channels_last`` or ``contiguous``; ``auto`` times the stage in both on the first micro-batch of
 every new schedule, m or shape, and takes the faster), and sends and receives contiguous tensors.
+Under ``--compile`` what torch's runtime runs is each stage compiled in this actor (as torchtitan
+compiles per block), and ``auto`` times the compiled stage; its eval forwards stay eager.
 
 With ``virtual_stages`` V the model is cut into ``num_ranks * V`` stages and a rank holds the ones
 ``schedule.stage_indices`` gives for its ``StageConfig.layout`` (the loop: r, r + num_ranks, ...);
@@ -73,6 +75,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from raytrain_mp.allocator import keep_freed_memory
+from raytrain_mp.compilation import compiler
 from raytrain_mp.memory_format import faster_layout, in_layout
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import build_optimizer
@@ -108,6 +111,9 @@ class StageWorker(StageState):
         # is contiguous until its first step measures it (_build_schedule).
         layout = "contiguous" if config.memory_format == "auto" else config.memory_format
         self._layouts = [layout for _ in self.modules]
+        # --compile: what torch's runtime runs is each runner compiled, here, on the rank's device;
+        # eval forwards (the shape probe, predict) run the runners eager: one graph a stage.
+        self._compile = compiler(config)
         self._runners = [in_layout(self._wrap(module), layout) for module in self.modules]
         self.dtype = next(p for module in self.modules for p in module.parameters()).dtype
         check_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay, config.norm_weight_decay)
@@ -262,7 +268,7 @@ class StageWorker(StageState):
         _, shapes = self._forward_chain([probe] if self.holds_first else 1)
         if self.config.memory_format == "auto":
             for local, (module, (x, _)) in enumerate(zip(self.modules, shapes)):
-                layout = faster_layout(module, x, self.config.stage_index(local) > 0, self._wrap)
+                layout = faster_layout(module, x, self.config.stage_index(local) > 0, self._wrap, self._compile)
                 if layout != self._layouts[local]:
                     self._layouts[local], self._runners[local] = layout, in_layout(self._wrap(module), layout)
         stages = []
@@ -271,7 +277,7 @@ class StageWorker(StageState):
             # The metadata says which tensors carry gradients: every stage's input but the data's.
             stages.append(
                 TimedStage(
-                    runner,
+                    runner if self._compile is None else self._compile(runner),
                     index,
                     self.config.num_stages,
                     self.device,

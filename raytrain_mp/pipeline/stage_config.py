@@ -47,6 +47,9 @@ class StageConfig:
     deferred_bn: bool = False
     autocast_bf16: bool = False
     memory_format: str = "contiguous"  # or channels_last, or auto (config.MEMORY_FORMATS)
+    compile: bool = False  # each stage compiled in this actor (``compilation``)
+    compile_mode: str = "default"
+    compile_cache: str | None = None  # the node's folder of compiled graphs (default: compilation's)
     p2p_timeout_s: float = 300.0
     replica: int = 0
     num_replicas: int = 1

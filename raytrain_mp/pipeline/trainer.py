@@ -43,6 +43,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from raytrain_mp.compilation import check_compiler
 from raytrain_mp.data import read_meta
 from raytrain_mp.errors import UsageError
 from raytrain_mp.pipeline.actors import StageActors
@@ -142,6 +143,9 @@ class PipelineTrainer:
         clip_grad_norm: float | None = None,
         autocast_bf16: bool = False,
         memory_format: str = "auto",
+        compile: bool = False,
+        compile_mode: str = "default",
+        compile_cache: str | None = None,
         placement_strategy: str = "STRICT_PACK",
         cpus_per_stage: int = 1,
         sample_input: Tensor | None = None,
@@ -169,6 +173,7 @@ class PipelineTrainer:
         blocks = flatten_model(model, sample_input)
         names = [block.name for block in blocks]
         balance = spec.validate(model, len(blocks), sample_input)
+        check_compiler(spec)  # compile=True: can this machine compile at all
         self.spec, parts = spec, spec.parts
         self.num_stages, self.virtual_stages = spec.num_stages, spec.virtual_stages
         self.layout = schedule_entry(spec.schedule).layout
