@@ -46,6 +46,18 @@ for _name, _value in {
 
 
 @pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> str:
+    """One ``--compile-cache`` folder for the whole test run, pytest-xdist's workers included (the
+    parent of a worker's base folder is the run's): inductor's cache is safe to share, and a graph
+    one test compiled is read by the next."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = root / "compile-cache"
+    folder.mkdir(exist_ok=True)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint() -> str:
     """``HOST:PORT`` of a real S3 protocol server on 127.0.0.1 for this session."""
     import logging

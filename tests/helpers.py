@@ -83,6 +83,11 @@ def run_cli_json(*argv: str) -> dict:
     """Run a command that must succeed with ``--json`` and return its JSON result.
 
     Ray's log forwarding shares stdout, so the result is the last line that parses as a JSON object."""
+    return run_cli_json_and_text(*argv)[0]
+
+
+def run_cli_json_and_text(*argv: str) -> tuple[dict, str]:
+    """``run_cli_json``'s result, and everything the command printed (the run's lines)."""
     import contextlib
     import io
 
@@ -92,7 +97,7 @@ def run_cli_json(*argv: str) -> dict:
     assert code == 0, buffer.getvalue()[-3000:]
     for line in reversed(buffer.getvalue().splitlines()):
         if line.startswith("{"):
-            return json.loads(line)
+            return json.loads(line), buffer.getvalue()
     raise AssertionError(f"no JSON line in output: {buffer.getvalue()[-2000:]}")
 
 

@@ -114,6 +114,9 @@ class StageWorker(StageState):
         # --compile: what torch's runtime runs is each runner compiled, here, on the rank's device;
         # eval forwards (the shape probe, predict) run the runners eager: one graph a stage.
         self._compile = compiler(config)
+        if self._compile is not None:  # torch's runtime may split a backward (input, then weight
+            # gradients) over one retained graph, which a compiled backward's donated buffers forbid
+            torch._functorch.config.donated_buffer = False
         self._runners = [in_layout(self._wrap(module), layout) for module in self.modules]
         self.dtype = next(p for module in self.modules for p in module.parameters()).dtype
         check_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay, config.norm_weight_decay)

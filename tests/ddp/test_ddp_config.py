@@ -39,6 +39,11 @@ from helpers import assert_usage_error, run_cli, session_cpus, session_gpus
         (["--loader-workers", "-1"], ["--loader-workers: must be >= 0, got -1"]),
         (["--loader-workers", "two"], ["--loader-workers: expected int, got 'two'"]),
         (["--loader-prefetch", "0"], ["--loader-prefetch: must be >= 1, got 0"]),
+        # compiled execution (issue 51)
+        (["--compile", "--compile-mode", "fast"], ["--compile-mode", "invalid choice: 'fast'", "'reduce-overhead'"]),
+        (["--compile-mode", "max-autotune"], ["--compile-mode: needs --compile"]),
+        (["--compile-cache", "/tmp/graphs"], ["--compile-cache: needs --compile"]),
+        (["--memory-format", "nhwc"], ["--memory-format", "invalid choice: 'nhwc'", "'channels_last', 'contiguous'"]),
         # the recipe (issue 49's options so far)
         (["--label-smoothing", "1"], ["--label-smoothing: must be in [0, 1), got 1.0"]),
         (["--norm-weight-decay", "-0.1"], ["--norm-weight-decay: must be >= 0, got -0.1"]),

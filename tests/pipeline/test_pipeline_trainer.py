@@ -24,6 +24,7 @@ import pytest
 import ray
 import torch
 import torch.nn.functional as F
+from tiny_models import TinyNet
 from torch import nn
 
 from raytrain_mp.errors import UsageError
@@ -385,6 +386,31 @@ def _assert_stopped(pipeline: PipelineTrainer, model: nn.Module, x: torch.Tensor
     pipeline.shutdown()  # safe to call again
 
 
+def test_compiled_stages_equal_gradient_accumulation(ray_session: object, compile_cache: str) -> None:
+    """compile=True: each stage compiled in its actor, the layout measured on the compiled stage
+    (auto), trains as the single-process accumulation does, in float64 to the eager stages' 1e-10:
+    compiling reorders floating point sums inside fused kernels, nothing else. A small network
+    (``tiny_models``, cut across its skip connection): compiling ResNet-18's stages takes minutes here."""
+    torch.manual_seed(0)
+    model = TinyNet(10, 1).double()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LRS[0], momentum=0.9)
+    batches = _batches(torch.float64, 3)
+    options = {"lr": LRS[0], "momentum": 0.9, "weight_decay": 0.0, "use_gpu": False, "schedule": "1f1b"}
+    compiled = {"memory_format": "auto", "compile": True, "compile_cache": compile_cache}
+    with PipelineTrainer(model, 2, sample_input=batches[0][0], **compiled, **options) as pipeline:
+        losses, want = [], []
+        for (x, y), lr in zip(batches, LRS):
+            pipeline.set_lr(lr)
+            losses.append(pipeline.train_step(x, y))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            want.append(_accumulate(reference, optimizer, x, y, 4))
+        assert losses == pytest.approx(want, rel=1e-10)
+        _assert_state_close(pipeline.state_dict(), reference.state_dict(), 1e-10)
+        assert {layout for rank in pipeline.memory_formats for layout in rank} <= {"channels_last", "contiguous"}
+
+
 def test_bf16_step_then_a_raising_stage_is_named_and_every_stage_stopped(ray_session: object) -> None:
     model, x, y = _tiny()
     # One trainer for both (start-up dominates): a plain nn.Sequential under bf16 autocast ...
@@ -519,6 +545,10 @@ def test_a_hanging_stage_is_named_when_its_peer_aborts_as_on_nccl(
         ({"virtual_stages": 0}, "virtual_stages: must be >= 1, got 0"),
         ({"p2p_timeout_s": 0}, "p2p_timeout_s: must be > 0 seconds, got 0"),
         ({"memory_format": "nhwc"}, "memory_format: unknown layout 'nhwc'; accepted: auto, channels_last, contiguous"),
+        (
+            {"compile": True, "compile_mode": "fast"},
+            "compile_mode: unknown mode 'fast'; accepted: default, reduce-overhead, max-autotune",
+        ),
         ({"cpus_per_stage": 0}, "cpus_per_stage: must be a whole number >= 1, got 0"),
         (
             {"cpus_per_stage": OVER_HALF},

@@ -1,0 +1,77 @@
+"""``ddp --compile`` end to end: a compiled run trains the eager run's model, and every start after
+the first reads its graphs from the compile cache.
+
+Three fits of a small network (``tests.tiny_models``: compiling ResNet-18 would take minutes here)
+in float64 on 2 workers, synchronized BatchNorm on, 8 steps of 32 on a 128/32 cut of digits:
+eager; compiled with ``--memory-format auto``, crashing once after step 3 and restarting from the
+checkpoint at step 2; and that run again with ``--epochs 3`` (a rerun of a finished ``--name``).
+
+Tolerance: compiling changes the order of floating point sums inside fused kernels, nothing else;
+in float64 over 8 steps at these learning rates that stays near 1e-15 (the bound is 1e-9, the fp64
+DDP tests' bound, far below the 1e-3 a different computation moves these weights by).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import load_model_pt, max_abs_diff, run_cli_json_and_text, write_digits_cut
+
+pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # three fits, two compiled
+
+COMPILED = re.compile(r"compiled in [0-9.]+ s: (\d+) of (\d+) graphs from the cache (\S+)")
+ARGS = [
+    "ddp", "--no-use-gpu", "--num-workers", "2", "--model", "tests.tiny_models:tiny_net", "--precision", "fp64",
+    "--epochs", "2", "--global-batch-size", "32", "--base-lr", "0.2", "--seed", "3", "--log-every", "0",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, compile_cache) -> dict:
+    root = tmp_path_factory.mktemp("compile")
+    data = write_digits_cut(root / "digits", 128, 32)
+    storage, marker = str(root / "runs"), root / "crashed"
+    common = [*ARGS, "--data", data, "--storage-path", storage]
+    compiled = [*common, "--name", "compiled", "--compile", "--compile-cache", compile_cache, "--memory-format", "auto"]
+    eager, _ = run_cli_json_and_text(*common, "--name", "eager")
+    crash = ["--max-failures", "1", "--checkpoint-every-steps", "2", "--inject-fault", f"1:s3:{marker}"]
+    first, first_text = run_cli_json_and_text(*compiled, *crash)
+    state = load_model_pt(first)  # before the rerun's checkpoints replace it
+    train_state = torch.load(Path(first["checkpoint"]) / "train_state.pt", weights_only=False)
+    rerun, rerun_text = run_cli_json_and_text(*compiled, "--epochs", "3")
+    return {
+        "eager": load_model_pt(eager),
+        "compiled": state,
+        "train_state": train_state,
+        "first": first_text,
+        "rerun": rerun_text,
+        "marker": marker,
+        "cache": compile_cache,
+    }
+
+
+def test_a_compiled_run_trains_the_eager_runs_model(runs):
+    assert runs["marker"].exists()  # it crashed once and restarted
+    assert runs["compiled"]["stem.0.weight"].dtype == torch.float64
+    assert list(runs["compiled"]) == list(runs["eager"])  # compiling changes no state-dict key
+    assert max_abs_diff(runs["eager"], runs["compiled"]) < 1e-9
+
+
+def test_a_restart_and_a_rerun_read_every_graph_from_the_cache(runs):
+    starts = COMPILED.findall(runs["first"])
+    assert len(starts) == 2  # the first start, and the restart after the crash
+    for hits, total, folder in [starts[1], *COMPILED.findall(runs["rerun"])]:
+        assert int(total) > 0 and hits == total
+        assert folder == runs["cache"]
+    assert len(COMPILED.findall(runs["rerun"])) == 1
+
+
+def test_auto_chooses_the_layout_once_and_the_checkpoint_carries_it(runs):
+    chosen = re.findall(r"memory format: (channels_last|contiguous) \(", runs["first"])
+    assert len(chosen) == 1  # measured on the first start only; the restart computes as it did
+    assert runs["train_state"]["memory_format"] == chosen[0]
+    assert "memory format:" not in runs["rerun"]
