@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import load_model_pt, max_abs_diff, run_cli_json_and_text, write_digits_cut
+from helpers import load_model_pt, max_abs_diff, run_cli_json, run_cli_json_and_text, write_digits_cut
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # three fits, two compiled
 
@@ -44,6 +44,9 @@ def runs(tmp_path_factory, compile_cache) -> dict:
     train_state = torch.load(Path(first["checkpoint"]) / "train_state.pt", weights_only=False)
     rerun, rerun_text = run_cli_json_and_text(*compiled, "--epochs", "3")
     return {
+        "data": data,
+        "rerun_result": rerun,
+        "checkpoint": rerun["checkpoint"],
         "eager": load_model_pt(eager),
         "compiled": state,
         "train_state": train_state,
@@ -75,3 +78,29 @@ def test_auto_chooses_the_layout_once_and_the_checkpoint_carries_it(runs):
     assert len(chosen) == 1  # measured on the first start only; the restart computes as it did
     assert runs["train_state"]["memory_format"] == chosen[0]
     assert "memory format:" not in runs["rerun"]
+
+
+def test_eval_and_predict_compiled_give_the_runs_own_figures(runs, compile_cache, tmp_path):
+    """eval --compile of the rerun's checkpoint reports the val loss its last epoch reported (the
+    run evaluated through its compiled DDP model); predict --compile ranks PNG files as eager
+    predict does, to the digit."""
+    from PIL import Image
+
+    from raytrain_mp.data import ParquetImageDataset
+
+    compiled = ["--compile", "--compile-cache", compile_cache]
+    out = str(tmp_path / "eval")
+    evaluated = run_cli_json("eval", "--checkpoint", runs["checkpoint"], "--num-workers", "1", "--out", out, *compiled)
+    assert evaluated["count"] == 32
+    assert evaluated["loss"] == pytest.approx(runs["rerun_result"]["val_loss"], rel=1e-9)
+    assert evaluated["accuracy"] == runs["rerun_result"]["val_accuracy"]
+    val = ParquetImageDataset(runs["data"], "val")
+    pngs = []
+    for i in range(4):
+        pngs.append(str(tmp_path / f"{i}.png"))
+        Image.fromarray(val.raw_image(i)[:, :, 0], "L").save(pngs[-1])
+    eager = run_cli_json("predict", "--checkpoint", runs["checkpoint"], *pngs)["predictions"]
+    fast = run_cli_json("predict", "--checkpoint", runs["checkpoint"], *pngs, *compiled)["predictions"]
+    assert [p["classes"] for p in fast] == [p["classes"] for p in eager]
+    for got, want in zip(fast, eager):
+        assert got["probabilities"] == pytest.approx(want["probabilities"], rel=1e-9)
