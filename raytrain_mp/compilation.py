@@ -33,6 +33,7 @@ probe that passes holds for the process (memoized per mode).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -56,6 +57,9 @@ def use_cache(folder: str | None) -> str:
     path = Path(folder or os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser().resolve()
     path.mkdir(parents=True, exist_ok=True)
     os.environ[CACHE_ENV] = str(path)
+    # Inductor's C++ builder imports cpp_extension, which warns on every CPU-only machine that it
+    # found no CUDA runtime: a line in every compiling process's output that says nothing to a user.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     return str(path)
 
 
