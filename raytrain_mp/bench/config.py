@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from raytrain_mp.compile_options import COMPILE_MODES
 from raytrain_mp.config import MEMORY_FORMATS, check, check_choice, check_local, check_writable, option
 from raytrain_mp.data.augment import POLICIES
 from raytrain_mp.models import MODEL_HELP, RESNET_NAMES, check_model_syntax
@@ -49,6 +50,14 @@ class BenchDDPConfig:
     )
     sync_bn: bool = option(False, "synchronized BatchNorm (as raytrain-mp ddp) on both sides; off: plain BatchNorm")
     bucket_cap_mb: float = option(25.0, "DDP gradient bucket size in MiB (torch's default 25)")
+    compile: bool = option(
+        False,
+        "also measure both sides compiled: ours as raytrain-mp ddp --compile runs it (the model compiled, DDP over "
+        "it), torchrun's as a script does (torch.compile(DDP(model))); each from an empty compile cache, and ours "
+        "again from the cache it filled (the first step of a restart)",
+        group="benchmark",
+    )
+    compile_mode: str = option("default", "--compile: torch.compile's mode", COMPILE_MODES, group="benchmark")
     steps: int = option(40, "timed steps per figure")
     warmup: int = option(10, "untimed steps before them")
     lr: float = option(0.01, "SGD learning rate")
@@ -70,14 +79,18 @@ class BenchDDPConfig:
         check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
         check(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
         check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        check_choice(self, "compile_mode")
+        check(self.compile or self.compile_mode == "default", "compile_mode", "needs --compile")
 
-    def settings(self) -> dict[str, Any]:
-        """What a worker needs (plain values: it travels as JSON to torchrun and to Ray workers)."""
-        return {
+    def settings(self, compiled: str | None = None, cache: str | None = None) -> dict[str, Any]:
+        """What a worker needs (plain values: it travels as JSON to torchrun and to Ray workers);
+        ``compiled``: None (eager), "ours" or "torch" (``bench.ddp.distributed``), with its ``cache``."""
+        plain = {
             k: v
             for k, v in dataclasses.asdict(self).items()
-            if k not in ("out", "address", "json", "num_workers", "verbose")
+            if k not in ("out", "address", "json", "num_workers", "verbose", "compile")
         }
+        return {**plain, "compiled": compiled, "compile_cache": cache}
 
 
 @dataclasses.dataclass

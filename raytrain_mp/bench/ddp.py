@@ -38,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -55,7 +56,9 @@ from raytrain_mp.bench.common import (
     write_results,
 )
 from raytrain_mp.bench.config import BenchDDPConfig
+from raytrain_mp.compilation import CompileWatch, use_cache
 from raytrain_mp.ddp.distributed_eval import global_count
+from raytrain_mp.ddp.execution import prepare_runner
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 from raytrain_mp.errors import UsageError
 from raytrain_mp.models import build_model, check_model
@@ -82,13 +85,15 @@ def measure_steps(
     model: nn.Module = build_model(
         settings["model"], settings["num_classes"], 3, settings["small_stem"], image_size=size
     )
+    started = time.perf_counter()  # the first step's seconds count from here: what compiling takes
+    watch = CompileWatch.start()
     distributed = dist.is_available() and dist.is_initialized()
     if settings["sync_bn"] and world > 1:
         model = convert_sync_batchnorm(model, device=device)
     model.to(device)
     gpus = [device.index] if device.type == "cuda" else []
     if distributed:
-        model = DistributedDataParallel(model, device_ids=gpus or None, bucket_cap_mb=settings["bucket_cap_mb"])
+        model = distributed_model(model, settings, device, gpus, (batch, 3, size, size))
     elif data_parallel_gpus >= 2:
         gpus = list(range(data_parallel_gpus))
         model = nn.DataParallel(model, device_ids=gpus)
@@ -120,21 +125,58 @@ def measure_steps(
     for i in range(settings["warmup"] + settings["steps"]):
         start = time.perf_counter()
         step(*batches[i % DISTINCT_BATCHES])
+        if i == 0:
+            first_step_seconds = time.perf_counter() - started
+            graphs_from_cache, graphs_compiled = watch.since()
         if i >= settings["warmup"]:
             seconds.append(time.perf_counter() - start)
     figures: dict[str, Any] = {
         **{f"step_{k}": v for k, v in summarize(seconds).items()},
         "first_step_at": first_step_at,
+        "first_step_seconds": first_step_seconds,
     }
+    if settings.get("compiled"):  # what the first step read from the compile cache, and compiled
+        figures |= {"graphs_from_cache": graphs_from_cache, "graphs_compiled": graphs_compiled}
     if gpus:
         memory = [torch.cuda.max_memory_allocated(gpu) for gpu in gpus]
         figures["peak_memory_bytes"] = memory if data_parallel_gpus >= 2 else memory[0]
     return figures
 
 
+def distributed_model(
+    model: nn.Module, settings: dict[str, Any], device: torch.device, gpus: list[int], sample_shape: tuple[int, ...]
+) -> nn.Module:
+    """DDP over ``model`` as the side runs it (``settings["compiled"]``): None, eager; "ours", as
+    ``raytrain-mp ddp --compile`` runs it (``ddp.execution.prepare_runner``: the model compiled,
+    DDP over it); "torch", as a torchrun script compiles (``torch.compile(DDP(model))``: dynamo's
+    DDPOptimizer cuts the graph at DDP's gradient buckets, so that their all-reduce overlaps the
+    backward). Compiled into ``settings["compile_cache"]``."""
+    compiled = settings["compiled"]
+    options = {"device_ids": gpus or None, "bucket_cap_mb": settings["bucket_cap_mb"]}
+    if compiled == "ours":
+        run = SimpleNamespace(
+            compile=True,
+            compile_mode=settings["compile_mode"],
+            compile_cache=settings["compile_cache"],
+            memory_format="contiguous",  # the torchrun side's layout
+        )
+        runner, _ = prepare_runner(run, model, sample_shape, torch.float32, device, None)
+        return DistributedDataParallel(runner, **options)
+    ddp = DistributedDataParallel(model, **options)
+    if compiled == "torch":
+        use_cache(settings["compile_cache"])
+        return torch.compile(ddp, mode=settings["compile_mode"])
+    return ddp
+
+
 def throughput(figures: dict[str, float], samples_per_step: int) -> dict[str, Any]:
     """samples/s from step seconds: median from the median step, min from the slowest, max from the fastest."""
     return {
+        **{
+            key: figures[key]
+            for key in ("first_step_seconds", "graphs_from_cache", "graphs_compiled")
+            if key in figures
+        },
         "step_seconds": {"median": figures["step_median"], "min": figures["step_min"], "max": figures["step_max"]},
         "samples_per_second": {
             "median": samples_per_step / figures["step_median"],
@@ -159,12 +201,12 @@ def one_process(cfg: BenchDDPConfig, threads: int, data_parallel_gpus: int = 0) 
     }
 
 
-def bare(cfg: BenchDDPConfig, workers: int) -> dict[str, Any]:
-    """``workers`` ranks of ``bench.ddp_bare`` under torchrun."""
+def bare(cfg: BenchDDPConfig, workers: int, compiled: str | None = None, cache: str | None = None) -> dict[str, Any]:
+    """``workers`` ranks of ``bench.ddp_bare`` under torchrun (``compiled``: see ``distributed_model``)."""
     launched = time.time()
-    figures = torchrun(
-        "raytrain_mp.bench.ddp_bare", workers, cfg.settings(), cfg.cpus_per_worker, f"torchrun with {workers} workers"
-    )
+    settings = cfg.settings(compiled, cache)
+    what = f"torchrun with {workers} workers"
+    figures = torchrun("raytrain_mp.bench.ddp_bare", workers, settings, cfg.cpus_per_worker, what)
     return {
         "workers": workers,
         "startup_seconds": figures["first_step_at"] - launched,
@@ -187,7 +229,9 @@ def ray_worker(settings: dict[str, Any]) -> None:
         ray.train.report(figures, checkpoint=checkpoint)
 
 
-def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:
+def ours(
+    cfg: BenchDDPConfig, workers: int, storage: str, compiled: str | None = None, cache: str | None = None
+) -> dict[str, Any]:
     """``workers`` Ray Train workers, configured as ``ddp.trainer.build_trainer`` configures them."""
     from ray.train import LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -197,7 +241,7 @@ def ours(cfg: BenchDDPConfig, workers: int, storage: str) -> dict[str, Any]:
     check_fits("--num-workers", workers, cfg.cpus_per_worker, 1 if cfg.use_gpu else 0)
     trainer = TorchTrainer(
         ray_worker,
-        train_loop_config=cfg.settings(),
+        train_loop_config=cfg.settings(compiled, cache),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=workers,
@@ -283,18 +327,30 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
     skipped: list[dict[str, Any]] = []
     reference = in_fresh_process(one_process, cfg, threads)
     dp = data_parallel(cfg, threads, skipped)
-    bare_runs = measured(cfg, "torchrun", torch.cuda.device_count(), "this machine", lambda w: bare(cfg, w), skipped)
-    with ray_connection(cfg.address, cfg.verbose), tempfile.TemporaryDirectory(prefix="bench-ddp-ray-") as storage:
-        ray_runs = measured(
-            cfg, "ray_train", cluster_totals()[1], "the Ray cluster", lambda w: ours(cfg, w, storage), skipped
-        )
-    bare_by_workers = {b["workers"]: b for b in bare_runs}
-    ratios = {
-        str(r["workers"]): r["samples_per_second"]["median"]
-        / bare_by_workers[r["workers"]]["samples_per_second"]["median"]
-        for r in ray_runs
-        if r["workers"] in bare_by_workers
-    }
+    gpus = torch.cuda.device_count()
+    bare_runs = measured(cfg, "torchrun", gpus, "this machine", lambda w: bare(cfg, w), skipped)
+    compiled: dict[str, list[dict[str, Any]]] = {}
+    # --compile: each compiled side starts from an empty cache of its own; ours then runs again on
+    # the cache it filled, as a restart does ("warm").
+    with tempfile.TemporaryDirectory(prefix="bench-ddp-compile-") as caches:
+        if cfg.compile:
+            compiled["torchrun"] = measured(
+                cfg,
+                "torchrun_compiled",
+                gpus,
+                "this machine",
+                lambda w: bare(cfg, w, "torch", f"{caches}/t{w}"),
+                skipped,
+            )
+        with ray_connection(cfg.address, cfg.verbose), tempfile.TemporaryDirectory(prefix="bench-ddp-ray-") as storage:
+            gpus = cluster_totals()[1]
+            ray_runs = measured(cfg, "ray_train", gpus, "the Ray cluster", lambda w: ours(cfg, w, storage), skipped)
+            for side in ("ray_train", "ray_train_warm") if cfg.compile else ():
+                compiled[side] = measured(
+                    cfg, f"{side}_compiled", gpus, "the Ray cluster",
+                    lambda w: ours(cfg, w, storage, "ours", f"{caches}/r{w}"), skipped,
+                )  # fmt: skip
+    ratios = over(ray_runs, bare_runs)
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     plot = out / "throughput_bars.png"
@@ -303,7 +359,10 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
     if dp is not None:
         labels.append(f"nn.DataParallel\n{dp['gpus']} GPUs")
         figures.append(dp["samples_per_second"])
-    for side, runs in (("torchrun", bare_runs), ("Ray Train", ray_runs)):
+    sides = [("torchrun", bare_runs), ("Ray Train", ray_runs)]
+    if cfg.compile:
+        sides += [("torchrun compiled", compiled["torchrun"]), ("Ray Train compiled", compiled["ray_train"])]
+    for side, runs in sides:
         labels += [f"{side}\n{r['workers']} worker(s)" for r in runs]
         figures += [r["samples_per_second"] for r in runs]
     per_worker = "1 GPU" if cfg.use_gpu else f"{cfg.cpus_per_worker} thread(s)"
@@ -321,8 +380,45 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
         "bare_torchrun": bare_runs,
         "ray_train": ray_runs,
         "ours_over_bare": ratios,
+        **(compiled_figures(compiled, bare_runs, ray_runs) if cfg.compile else {}),
         "skipped": skipped,
         "elapsed_seconds": time.perf_counter() - started,
     }
     path = write_results(out, results)
-    return {"results": str(path), "plots": [str(plot)], "ours_over_bare": ratios}
+    summary = {"results": str(path), "plots": [str(plot)], "ours_over_bare": ratios}
+    return summary | {key: results[key] for key in COMPILED_RATIOS if key in results}
+
+
+COMPILED_RATIOS = ("compiled_ours_over_bare_eager", "compiled_ours_over_bare_compiled")
+
+
+def over(runs: list[dict[str, Any]], peers: list[dict[str, Any]]) -> dict[str, float]:
+    """Median samples/s of each of ``runs`` over the ``peers`` run of its worker count."""
+    by_workers = {peer["workers"]: peer for peer in peers}
+    return {
+        str(r["workers"]): r["samples_per_second"]["median"] / by_workers[r["workers"]]["samples_per_second"]["median"]
+        for r in runs
+        if r["workers"] in by_workers
+    }
+
+
+def compiled_figures(
+    compiled: dict[str, list[dict[str, Any]]], bare_runs: list[dict[str, Any]], ray_runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The compiled sides' runs, our compiled run over bare torchrun eager and compiled, and each
+    side's first-step seconds (compiling, cold and warm, apart from the steady state)."""
+    first_steps: dict[str, dict[str, float]] = {}
+    sides = {"torchrun_eager": bare_runs, "ray_train_eager": ray_runs}
+    sides |= {f"{side}_compiled": runs for side, runs in compiled.items()}
+    for side, runs in sides.items():
+        for run in runs:
+            first_steps.setdefault(str(run["workers"]), {})[side] = run["first_step_seconds"]
+    return {
+        "bare_torchrun_compiled": compiled["torchrun"],
+        "ray_train_compiled": compiled["ray_train"],
+        "ray_train_compiled_warm": compiled["ray_train_warm"],
+        "compiled_ours_over_bare_eager": over(compiled["ray_train"], bare_runs),
+        "compiled_ours_over_bare_compiled": over(compiled["ray_train"], compiled["torchrun"]),
+        "compiled_ours_over_ours_eager": over(compiled["ray_train"], ray_runs),
+        "first_step_seconds": first_steps,
+    }

@@ -28,6 +28,8 @@ MAY_BE_ZERO = (
     "bubble_for_stage_times",
     "niceness",
     "loss_difference",
+    "graphs_from_cache",  # a cold compile reads none
+    "graphs_compiled",  # a warm one compiles none
 )
 
 
@@ -314,21 +316,33 @@ def assert_native(results: dict) -> None:
 
 @pytest.mark.slow
 def test_bench_ddp_smoke(ray_session, tmp_path):
+    """With --compile, on a small network (``tests.tiny_models``: compiling ResNet-18 takes minutes
+    here): both sides eager and compiled, ours again from the cache it filled."""
     out = tmp_path / "ddp"
     summary = run_cli_json(
         "bench", "ddp", "--no-use-gpu", "--out", str(out), "--image-size", "8", "--batch-size-per-worker", "4",
-        "--num-workers", "2", "--steps", "2", "--warmup", "1",
+        "--num-workers", "2", "--steps", "2", "--warmup", "1", "--model", "tests.tiny_models:tiny_net", "--compile",
     )  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert Path(summary["plots"][0]).stat().st_size > 0
     assert_machine(results)
     assert results["ray_running_during_bare"] is True  # the test session's Ray was up
-    for side in ("bare_torchrun", "ray_train"):
-        assert [r["workers"] for r in results[side]] == [2]  # one worker count keeps it to one Ray fit
+    sides = ("bare_torchrun", "ray_train", "bare_torchrun_compiled", "ray_train_compiled", "ray_train_compiled_warm")
+    for side in sides:
+        assert [r["workers"] for r in results[side]] == [2]  # one worker count keeps it to three Ray fits
         for run in results[side]:
             assert_spread(run["step_seconds"])
             assert_spread(run["samples_per_second"])
-    assert set(results["ours_over_bare"]) == {"2"}
+            assert run["first_step_seconds"] > 0
+    cold, warm = results["ray_train_compiled"][0], results["ray_train_compiled_warm"][0]
+    assert cold["graphs_compiled"] > 0 and results["bare_torchrun_compiled"][0]["graphs_compiled"] > 0
+    assert warm["graphs_compiled"] == 0 and warm["graphs_from_cache"] == cold["graphs_compiled"]
+    assert "graphs_compiled" not in results["ray_train"][0]  # eager
+    for key in ("ours_over_bare", "compiled_ours_over_bare_eager", "compiled_ours_over_bare_compiled"):
+        assert set(results[key]) == {"2"} and summary[key] == results[key]
+    assert set(results["first_step_seconds"]["2"]) == {
+        "torchrun_eager", "ray_train_eager", "torchrun_compiled", "ray_train_compiled", "ray_train_warm_compiled"
+    }  # fmt: skip
     assert results["one_process"]["device"] == "cpu" and results["settings"]["use_gpu"] is False
     assert results["data_parallel"] is None
     assert results["skipped"] == [
