@@ -8,17 +8,21 @@ never a worker's stack trace. ``compiler`` points this process's inductor caches
 first step compiled and read from that cache, for the line a run prints after it.
 
 Choices, measured in docs/performance.md ("Compiled training"):
-- What is compiled is the module a rank computes with: DDP wraps the compiled model (torch's
-  ``DDP(compiled)``), a pipeline stage's actor compiles its stage (as torchtitan compiles per
-  block). The model's own modules stay what the state dicts, the optimizer and the weight average
-  hold: compiling changes no key. Compiling the DDP wrapper instead (dynamo's DDPOptimizer, one
-  graph per gradient bucket) keeps the all-reduce overlapping the backward, but its graphs are not
-  the bare model's, so the memory-format trial's compile (on a bare copy) would not fill the cache
-  the run reads; on gloo CPU ranks the overlap is worth little (docs/performance.md).
-- The portable SyncBatchNorm breaks the graph once per layer: its global sample count, read with
-  ``Tensor.item()``, picks the empty-batch and one-sample branches. On CUDA the native layer runs.
-- Evaluation during training runs eager: an eval-mode graph would be a second compile for a pass
-  over the val split; ``eval`` and ``predict`` compile their eval-mode model.
+- What is compiled is the module a rank computes with, not its wrapper: DDP wraps the compiled
+  model (``ddp.execution``), a pipeline stage's actor compiles its stage (as torchtitan compiles
+  per block). The model's own modules stay what the state dicts, the optimizer and the weight
+  average hold: compiling changes no key. A DDP rank first compiles a copy outside DDP (the
+  memory-format trial, which also times eager against compiled), so the run's graph is the whole
+  model's and a restart reads it from the cache; the gradients' all-reduce then starts after the
+  compiled backward, not during it. The alternative a torchrun script takes,
+  ``torch.compile(DDP(model))`` (dynamo's DDPOptimizer cuts the graph at DDP's gradient buckets
+  so that their all-reduce overlaps the backward), is ``bench ddp --compile``'s peer.
+- The portable SyncBatchNorm is traced whole (``ddp.sync_batchnorm``): ResNet-18 compiles into
+  one graph, no break (``torch._dynamo.explain``; each layer's ``Tensor.item()`` broke it 20
+  times before). On CUDA the native layer runs.
+- DDP evaluates through the compiled model (one more graph, eval mode, also cached); a pipeline
+  stage's eval forwards (its shape probe, ``predict``) run eager; ``eval`` and ``predict``
+  compile their eval-mode model.
 - The cache is inductor's own (the FX graph and AOTAutograd caches, Triton's kernels under
   ``TORCHINDUCTOR_CACHE_DIR``), in a node-local folder that outlives every process of a run, so
   a ``--max-failures`` restart, an elastic resize, a rerun of a ``--name`` and the trials after a

@@ -3,7 +3,8 @@
 #   scripts/gpu_check.sh [OUT]        (OUT defaults to ./gpu_check)
 # Steps: the tests marked `gpu` (NCCL DDP, native SyncBatchNorm, fp16, NCCL pipeline stages; each
 # skips with its reason where there are too few GPUs), one Ray head for the steps after it,
-# `bench ddp` and `bench pipeline` on GPUs (nn.DataParallel and the pipeline need 2+), and the data
+# `bench ddp` and `bench pipeline` on GPUs (nn.DataParallel and the pipeline need 2+), the main job
+# compiled (`ddp --compile`, one GPU, from an empty compile cache), and the data
 # path's GPU check (scripts/gpu_check_data.py: device transforms vs the CPU, nvJPEG decode, and
 # `raytrain-mp ddp --use-gpu --num-workers 1` end to end, which is the main job's path on one GPU).
 # Each step's output goes to OUT/STEP.log; OUT/gpu_check.json is the report: per step the command,
@@ -53,7 +54,7 @@ skipped() {
     printf '%s\t\t0\tskipped\t%s\t%s\n' "$name" "$reason" "$*" >>"$steps"
 }
 
-step tests 170 python -m pytest -m gpu -v -rs -p no:cacheprovider tests
+step tests 160 python -m pytest -m gpu -v -rs -p no:cacheprovider tests
 if [ "$gpus" -ge 1 ]; then
     # its own temp dir names every process of this Ray in its command line, so the exit trap ends
     # exactly those (never another Ray's, as `ray stop` would), and `address=auto` elsewhere never
@@ -66,27 +67,32 @@ if [ "$gpus" -ge 1 ]; then
     # once the head is up, the steps join it; its GPUs are the ones they ask for, so a request it
     # cannot meet fails at once instead of waiting for an autoscaler
     RAY_API_SERVER_ADDRESS="http://127.0.0.1:$dashboard_port" RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0 \
-        step ray_head 40 ray start --head --port "$port" --dashboard-port "$dashboard_port" --num-cpus "$cpus" --num-gpus "$gpus" \
+        step ray_head 30 ray start --head --port "$port" --dashboard-port "$dashboard_port" --num-cpus "$cpus" --num-gpus "$gpus" \
         --temp-dir "$ray_tmp" --disable-usage-stats && export RAY_ADDRESS="127.0.0.1:$port" RAYTRAIN_MP_AUTOSCALE_WAIT_S=0
     workers=$([ "$gpus" -ge 2 ] && echo 1,2 || echo 1)
-    step bench_ddp 90 raytrain-mp bench ddp --use-gpu --num-workers "$workers" --cpus-per-worker 2 --batch-size-per-worker 128 \
+    step bench_ddp 80 raytrain-mp bench ddp --use-gpu --num-workers "$workers" --cpus-per-worker 2 --batch-size-per-worker 128 \
         --steps 20 --warmup 5 --out "$out/bench_ddp"
+    # the main job compiled, from an empty cache: its log's "compiled in" line is the cold first
+    # step on a GPU, its "note:" (if any) says whether the compiled step lost to eager
+    step compiled_ddp 60 raytrain-mp ddp --use-gpu --num-workers 1 --epochs 1 --compile --compile-cache "$out/compile_cache" \
+        --storage-path "$out/runs" --name compiled
 else
     skipped ray_head "no CUDA GPU" ray start --head --num-gpus 0
     skipped bench_ddp "no CUDA GPU" raytrain-mp bench ddp --use-gpu
+    skipped compiled_ddp "no CUDA GPU" raytrain-mp ddp --use-gpu --compile
 fi
 if [ "$gpus" -ge 2 ]; then
     # every case of the bench, each once and small: one round of ours vs native (--resnet-rounds 1,
     # --overhead-rounds 1), m of 2 and 8 (1F1B needs m >= stages; the summary's overhead ratio is
     # at m=8), one timed trial of a balanced cut, one plain and one interleaved overhead schedule
-    step bench_pipeline 80 raytrain-mp bench pipeline --use-gpu --stages 2 --cpus-per-stage 2 --threads 4 --microbatches 2,8 \
+    step bench_pipeline 70 raytrain-mp bench pipeline --use-gpu --stages 2 --cpus-per-stage 2 --threads 4 --microbatches 2,8 \
         --steps 5 --warmup 2 --resnet-rounds 1 --balance-trials 1 --overhead-rounds 1 --overhead-steps 10 \
         --overhead-microbatches 2,8 --overhead-schedules gpipe,interleaved-1f1b --out "$out/bench_pipeline"
 else
     skipped bench_pipeline "2 stages need 2 GPUs (one each); this machine has $gpus" raytrain-mp bench pipeline --use-gpu --stages 2
 fi
 if [ -f scripts/gpu_check_data.py ]; then
-    step data_path 100 python scripts/gpu_check_data.py --out "$out/data_path"
+    step data_path 80 python scripts/gpu_check_data.py --out "$out/data_path"
 fi
 
 python - "$out" "$gpus" "$cpus" <<'EOF'

@@ -39,6 +39,7 @@ SHARED_MODULES = {
     "models",
     "niceness",
     "optim",
+    "precision",
     "plots",
     "preprocessing",
     "pretrained",

@@ -107,6 +107,16 @@ NOT_HERE = {
         "minutes on 2 cores; its figures are committed in docs/bench",
     "raytrain-mp bench ddp --out docs/bench/ddp_standard_stem --no-small-stem":
         "minutes on 2 cores; its figures are committed in docs/bench",
+    "raytrain-mp bench ddp --out docs/bench/ddp_compile --compile --num-workers 2":
+        "9 minutes alone on 2 cores (three cold compiles of ResNet-18); its figures are committed in docs/bench",
+    "raytrain-mp bench ddp --out docs/bench/ddp_compile_8x8 --compile --num-workers 2 --image-size 8":
+        "minutes on 2 cores (three cold compiles of ResNet-18); its figures are committed in docs/bench",
+    **{command: "compiles ResNet-18: a minute or more on 2 cores; tests/ddp/test_ddp_compile.py runs ddp, eval and "
+       "predict --compile end to end on a small network"
+       for command in (
+        "raytrain-mp ddp --num-workers 2 --compile",
+        "raytrain-mp ddp --num-workers 2 --compile --memory-format auto",
+    )},
     "python scripts/pipeline_timeline.py --out docs/bench/pipeline-timeline":
         "minutes on 2 cores; its figures are committed in docs/bench, and tests/bench/test_bench.py runs the script "
         "at tiny settings",

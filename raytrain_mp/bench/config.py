@@ -135,6 +135,12 @@ class BenchPipelineConfig:
         "profile's, then the profile rescaled to what each stage measured, cut anew (PipelineTrainer's "
         "balance_trials; 0: the profile decides)",
     )
+    compile: bool = option(
+        False,
+        "layer3 split: each stage compiled on both sides (ours: PipelineTrainer's compile; torch's runtime: the same "
+        "stage modules, torch.compile'd in their ranks)",
+        group="benchmark",
+    )
     steps: int = option(3, "timed steps per figure (and round, on the layer3 split)")
     warmup: int = option(1, "untimed steps before each figure")
     resnet_rounds: int = option(

@@ -159,6 +159,7 @@ def distributed_model(
             compile_mode=settings["compile_mode"],
             compile_cache=settings["compile_cache"],
             memory_format="contiguous",  # the torchrun side's layout
+            precision="fp32",
         )
         runner, _ = prepare_runner(run, model, sample_shape, torch.float32, device, None)
         return DistributedDataParallel(runner, **options)

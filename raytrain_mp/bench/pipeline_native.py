@@ -75,6 +75,8 @@ def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -
     """Time every (schedule, m) of one case of the settings on this rank's stage; this rank's
     figures."""
     model, x, y = SETUPS[case["setup"]](**case["arguments"])
+    if case.get("compile"):  # as ours (pipeline.stage): torch's runtime splits a backward over a retained graph
+        torch._functorch.config.donated_buffer = False
     x, y = x.to(device), y.to(device)
     # per virtual-stage count: this rank's chunks (torch's loop layout: r, r + world, ...) and their optimizer
     held = {}
@@ -93,6 +95,7 @@ def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -
                 # in the layouts ours computed this point in, where the case names them
                 layouts = case.get("layouts", {}).get(f"{name} {m}", [["contiguous"] * virtual] * world)[rank]
                 runners = [in_layout(chunk, layout) for chunk, layout in zip(chunks, layouts)]
+                runners = [torch.compile(runner) for runner in runners] if case.get("compile") else runners
                 stages = [
                     PipelineStage(runner, index, world * virtual, device) for index, runner in zip(indices, runners)
                 ]

@@ -1,5 +1,5 @@
-"""How a DDP rank's model computes: its memory format (``--memory-format``), compiled or eager
-(``--compile``), decided once per run, and under which autocast (``--precision``).
+"""How a DDP rank's model computes: its memory format (``--memory-format``) and compiled or eager
+(``--compile``), decided once per run.
 
 Job: ``prepare_runner`` returns what DDP wraps (the model in its layout, compiled under
 ``--compile``; ``memory_format.in_layout``, ``compilation.compiler``) and what rank 0 says about
@@ -20,9 +20,8 @@ Invariants:
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import warnings
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -31,6 +30,7 @@ from torch import nn
 from raytrain_mp.compilation import CompileWatch, compiler, slower_note
 from raytrain_mp.config import LAYOUTS
 from raytrain_mp.memory_format import in_layout, layout_seconds
+from raytrain_mp.precision import Autocast, autocast_for
 
 
 @dataclass
@@ -47,35 +47,37 @@ def prepare_runner(
     cfg, model: nn.Module, sample_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, carried: str | None
 ) -> tuple[nn.Module, Execution]:
     """(what DDP wraps, how it runs) for ``model`` under ``cfg``; ``carried`` is the layout a
-    checkpoint of the run holds (None on a first start)."""
+    checkpoint of the run holds (None on a first start). Under ``--precision`` bf16 or fp16 the
+    runner holds its autocast (``precision.Autocast``): the trial times what the run computes, and
+    the graph it compiles is the run's."""
     compile = compiler(cfg)
+    wrap = lambda module: Autocast(module, autocast_for(cfg.precision, device))  # noqa: E731
+    if cfg.precision not in ("bf16", "fp16"):
+        wrap = lambda module: module  # noqa: E731
     watch = CompileWatch.start() if compile is not None else None
     layout = carried or (cfg.memory_format if cfg.memory_format != "auto" else None)
     execution = Execution(layout or "contiguous", compile is not None, watch=watch)
     if layout is None or compile is not None:  # auto's choice, or the compiled/eager note
         sample = torch.randn(sample_shape, generator=torch.Generator().manual_seed(0), dtype=dtype).to(device)
         seconds = _rank_zeros(
-            layout_seconds(model, sample, False, compile=compile, layouts=(layout,) if layout else LAYOUTS)
+            layout_seconds(model, sample, False, wrap, compile, layouts=(layout,) if layout else LAYOUTS)
         )
         if seconds:
             execution.layout = layout or min(seconds, key=seconds.__getitem__)
             if layout is None:
                 execution.lines.append(f"memory format: {execution.layout} ({_timings(seconds)})")
             if compile is not None:
-                eager = _rank_zeros(layout_seconds(model, sample, False, layouts=(execution.layout,)))
+                eager = _rank_zeros(layout_seconds(model, sample, False, wrap, layouts=(execution.layout,)))
                 note = slower_note(eager[execution.layout], seconds[execution.layout])
                 execution.lines += [f"note: {note}"] if note else []
-    runner = in_layout(model, execution.layout)
-    return (compile(runner) if compile is not None else runner), execution
-
-
-def autocast_for(precision: str, device: torch.device):
-    """What a forward runs under: autocast to bf16 or fp16, else nothing."""
-    if precision == "bf16":
-        return partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
-    if precision == "fp16":
-        return partial(torch.autocast, device_type=device.type, dtype=torch.float16)
-    return nullcontext
+    runner = in_layout(wrap(model), execution.layout)
+    if compile is None:
+        return runner, execution
+    # A compiled backward may give a 1x1 kernel's gradient other strides for its size-1 dims than
+    # the parameter's (the same elements in the same order); DDP then warns once per rank, and
+    # copies it into its bucket, as it copies every gradient unless gradient_as_bucket_view.
+    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
+    return compile(runner), execution
 
 
 def _rank_zeros(seconds: dict[str, float]) -> dict[str, float]:

@@ -65,7 +65,7 @@ from raytrain_mp.data.repeated import RepeatedSampler
 from raytrain_mp.ddp.config import DDPConfig
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum, evaluate, global_count
 from raytrain_mp.ddp.elastic import items_to_skip
-from raytrain_mp.ddp.execution import Execution, autocast_for, prepare_runner
+from raytrain_mp.ddp.execution import Execution, prepare_runner
 from raytrain_mp.ddp.restored import Restored, read_restored
 from raytrain_mp.ddp.sync_batchnorm import convert_sync_batchnorm
 from raytrain_mp.ddp.watch import rank_zero_console
@@ -76,6 +76,7 @@ from raytrain_mp.finetune import freeze_backbone, lr_scales
 from raytrain_mp.lr_schedule import schedule_for
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import build_optimizer, load_under_own_options
+from raytrain_mp.precision import autocast_for
 from raytrain_mp.progress import Progress
 from raytrain_mp.run_log import RunLog
 from raytrain_mp.storage import locate

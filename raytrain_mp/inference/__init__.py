@@ -9,6 +9,6 @@ PNG and the predictions file), ``predict`` (top-k classes of image files), ``exp
 
 May import: the shared layer and ``raytrain_mp.data``, and ``raytrain_mp.ddp``, which it builds on:
 ``eval`` runs ddp's exact evaluation pieces (``ddp.distributed_eval.ShardSampler``,
-``all_reduce_sum``, ``ddp.execution.autocast_for``) on Ray Train workers; and ``raytrain_mp.tune``,
+``all_reduce_sum``) on Ray Train workers; and ``raytrain_mp.tune``,
 whose results table names a sweep's best trial (``--checkpoint`` of an experiment folder).
 """

@@ -39,12 +39,12 @@ from raytrain_mp.config import absolute_path
 from raytrain_mp.data import ParquetImageDataset, read_meta
 from raytrain_mp.data.loader import EpochKeys, make_loader
 from raytrain_mp.ddp.distributed_eval import ShardSampler, all_reduce_sum
-from raytrain_mp.ddp.execution import autocast_for
 from raytrain_mp.epochs import running_stats_note
 from raytrain_mp.errors import UsageError
 from raytrain_mp.inference.checkpoint import TrainedRun, check_data_fits, load_run
 from raytrain_mp.inference.config import EvalConfig
 from raytrain_mp.inference.report import default_out, write_eval_outputs
+from raytrain_mp.precision import autocast_for
 from raytrain_mp.progress import note
 from raytrain_mp.storage import name_of
 from raytrain_mp.tracking import log_outputs

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from raytrain_mp.compilation import check_compiler, compiler
-from raytrain_mp.ddp.execution import autocast_for
 from raytrain_mp.inference.checkpoint import TrainedRun, load_run
 from raytrain_mp.inference.config import PredictConfig
 from raytrain_mp.inference.images import collect_files, load_image
+from raytrain_mp.precision import autocast_for
 from raytrain_mp.storage import write_local
 
 RAY_THRESHOLD = 512  # files; below it, starting Ray costs more than it saves

@@ -89,7 +89,8 @@ from raytrain_mp.pipeline.schedule import Schedule
 from raytrain_mp.pipeline.shaped_p2p import recv_shaped, send_shaped
 from raytrain_mp.pipeline.stage_config import StageConfig, check_optimizer, configure_device
 from raytrain_mp.pipeline.stage_state import StageState
-from raytrain_mp.pipeline.timed_stage import Autocast, TimedStage
+from raytrain_mp.pipeline.timed_stage import TimedStage
+from raytrain_mp.precision import Autocast, autocast_for
 
 
 class StageWorker(StageState):
@@ -250,7 +251,7 @@ class StageWorker(StageState):
         return x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
 
     def _wrap(self, module: nn.Module) -> nn.Module:
-        return Autocast(module, self.device.type) if self.config.autocast_bf16 else module
+        return Autocast(module, autocast_for("bf16", self.device)) if self.config.autocast_bf16 else module
 
     def memory_formats(self) -> list[str]:
         """The layout each of this rank's stages computes in (``config.LAYOUTS``)."""

@@ -1,5 +1,5 @@
 """Torch's ``PipelineStage`` as a rank runs it: timed on the rank's busy clock, with receives posted
-ahead and the last backward split; and bf16 autocast around a stage.
+ahead and the last backward split.
 
 Job: ``TimedStage`` adds to torch's runtime what ``stage`` needs of it (``Schedule.post_ahead``,
 ``Schedule.split_last_backward``):
@@ -29,24 +29,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.pipelining import PipelineStage
 
 from raytrain_mp.pipeline.busy_clock import BusyClock
-
-
-class Autocast(nn.Module):
-    """Runs the wrapped stage under bf16 autocast (the stage sees the module through this)."""
-
-    def __init__(self, module: nn.Module, device_type: str) -> None:
-        super().__init__()
-        self.module, self.device_type = module, device_type
-
-    def forward(self, x: Tensor) -> Tensor:
-        with torch.autocast(self.device_type, dtype=torch.bfloat16):
-            return self.module(x)
 
 
 class TimedStage(PipelineStage):

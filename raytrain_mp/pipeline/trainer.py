@@ -88,10 +88,11 @@ class PipelineTrainer:
     cut run, ``profile`` the (forward, backward) seconds of each block.
     ``memory_format`` is the layout each stage computes in: ``"channels_last"`` (NHWC, the layout
     oneDNN's CPU kernels and GPU tensor cores favour), ``"contiguous"`` (the model's own), or
-    ``"auto"`` (default): each rank times each of its stages in both on the first micro-batch of
-    every new schedule, m or micro-batch shape, and keeps the faster (``memory_formats`` says what
-    each rank chose). Activations and gradients travel between ranks contiguous whatever the
-    layout (``memory_format.ChannelsLast``); models without 4-D activations are unaffected.
+    ``"auto"`` (default): each rank times each of its stages in both (compiled under ``compile``)
+    on the first micro-batch of every new schedule, m or micro-batch shape, and keeps the faster
+    (``memory_formats``). Tensors travel between ranks contiguous whatever the layout.
+    ``compile=True`` compiles each stage in its actor (``compilation``: ``compile_mode``, the
+    node's ``compile_cache``); the driver first checks that this machine compiles at all.
     ``use_gpu=None`` uses GPUs when the Ray cluster has one for each rank (NCCL between them; gloo
     between CPU ranks), else CPUs. A receive that waits longer than ``p2p_timeout_s`` fails the step
     (on NCCL by torch's watchdog ending the rank's process, its default

@@ -107,6 +107,7 @@ def layout_runs(
         schedule=schedules[0],
         virtual_stages=virtual,
         memory_format=cfg.memory_format,
+        compile=cfg.compile,
         **partition,
     ) as trainer:
         plan = [dataclasses.asdict(stage) for stage in trainer.plan]

@@ -63,6 +63,7 @@ def resnet_case(
             "seed": cfg.seed,
         },
         "chunk_blocks": {"1": [list(stage["blocks"]) for stage in plan]},
+        "compile": cfg.compile,  # each rank's stage modules, as ours compiles them
         **layouts,
         **dataclasses.asdict(sweep),
     }
