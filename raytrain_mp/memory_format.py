@@ -4,10 +4,12 @@ measurement, while every tensor that crosses its edges stays contiguous.
 Job: ``in_layout(module, layout)`` stores the module's 4-D weights in ``layout`` (torch's own
 ``nn.Module.to(memory_format=...)``, in place) and returns what runs it: for ``"channels_last"`` a
 ``ChannelsLast`` wrapper, which runs it on a channels-last copy of a 4-D input and hands back a
-contiguous output; for ``"contiguous"`` the module itself. ``layout_seconds`` times a copy of a
-module in each layout on one micro-batch, as it will run (compiled under ``--compile``: the copy's
-graphs are the module's, so its compile fills the cache the module then reads); ``faster_layout``
-names the faster (``"auto"``). Used by the pipeline's stages and by the DDP loop alike.
+contiguous output; for ``"contiguous"`` the module itself. ``layout_runner`` does the same with
+the module compiled, its edges kept outside the graph (``ContiguousEdges`` for contiguous).
+``layout_seconds`` times a copy of a module in each layout on one micro-batch, as it will run
+(compiled under ``--compile``: the copy's graphs are the module's, so its compile fills the cache
+the module then reads); ``faster_layout`` names the faster (``"auto"``). Used by the pipeline's
+stages and by the DDP loop alike.
 
 Why: convolutions on NHWC run faster where the kernels are written for it (oneDNN on CPUs, tensor
 cores under autocast on GPUs), but not everywhere: on ResNet-50 channels-last speeds the early,
@@ -45,20 +47,21 @@ from raytrain_mp.config import LAYOUTS
 _FORMAT = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
 
 
-class _ToChannelsLast(torch.autograd.Function):
-    """A channels-last copy whose gradient goes back contiguous (``Tensor.contiguous``'s own
-    backward would pass it on channels-last)."""
+class _ToLayout(torch.autograd.Function):
+    """A copy of ``x`` in ``memory_format`` whose gradient goes back contiguous (``Tensor.contiguous``'s
+    own backward would pass it on in that format; a compiled graph's in whatever strides it chose)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        y = x.contiguous(memory_format=torch.channels_last)
-        # Already channels-last (1x1 maps, one channel): ``contiguous`` hands back the input, and
-        # autograd forbids the stage's in-place ops (ReLU(inplace=True)) on a Function's input.
+    def forward(ctx: Any, x: Tensor, memory_format: torch.memory_format) -> Tensor:
+        y = x.contiguous(memory_format=memory_format)
+        # Already in that format (always, for a contiguous one; 1x1 maps, one channel): ``contiguous``
+        # hands back the input, and autograd forbids the stage's in-place ops (ReLU(inplace=True)) on
+        # a Function's input.
         return y.clone() if y is x else y
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad.contiguous()
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad.contiguous(), None
 
 
 class ChannelsLast(nn.Module):
@@ -70,7 +73,21 @@ class ChannelsLast(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if _is_image(x):
-            x = _ToChannelsLast.apply(x)
+            x = _ToLayout.apply(x, torch.channels_last)
+        return self.module(x).contiguous()
+
+
+class ContiguousEdges(nn.Module):
+    """Runs ``module`` (a compiled one, whose output and input gradient may come in any strides) with
+    contiguous tensors at its edges: what a P2P send of either needs."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.requires_grad:
+            x = _ToLayout.apply(x, torch.contiguous_format)
         return self.module(x).contiguous()
 
 
@@ -79,6 +96,18 @@ def in_layout(module: nn.Module, layout: str) -> nn.Module:
     if layout == "channels_last":
         return ChannelsLast(module)
     return module.to(memory_format=_FORMAT[layout])
+
+
+def layout_runner(module: nn.Module, layout: str, compile: Callable[[nn.Module], Callable] | None = None) -> nn.Module:
+    """``in_layout`` of ``module``, compiled where ``compile`` is given: the compiled graph computes
+    in ``layout``; the conversions at its edges stay outside it, eager, so that what the runner
+    hands back (its output, its input's gradient) is contiguous whatever strides inductor chose
+    inside (a compiled ResNet stage's input gradient came back channels-last, which a P2P send
+    refuses). A compiled runner's input that needs a gradient is copied once a pass for that."""
+    if compile is None:
+        return in_layout(module, layout)
+    runner = in_layout(compile(module), layout)
+    return runner if layout == "channels_last" else ContiguousEdges(runner)
 
 
 def layout_seconds(
@@ -99,9 +128,7 @@ def layout_seconds(
         return {}
     seconds = {}
     for layout in layouts:
-        runner = in_layout(wrap(copy.deepcopy(module)), layout)
-        if compile is not None:
-            runner = compile(runner)
+        runner = layout_runner(wrap(copy.deepcopy(module)), layout, compile)
         x = sample.detach().clone().requires_grad_(input_grad)
         passes = []
         for _ in range(repeats + 1):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from raytrain_mp.config import LAYOUTS
-from raytrain_mp.memory_format import ChannelsLast, faster_layout, in_layout
+from raytrain_mp.memory_format import ChannelsLast, faster_layout, in_layout, layout_runner
 from raytrain_mp.models import build_model
 from raytrain_mp.pipeline.blocks import StageModule, flatten_model
 
@@ -72,3 +72,25 @@ def test_faster_layout_measures_a_copy_and_leaves_the_module_alone() -> None:
         assert torch.equal(value, want) and value.is_contiguous(), key  # BatchNorm statistics too
     # nothing to choose without a 4-D floating point input
     assert faster_layout(nn.Linear(4, 2), torch.randn(3, 4), input_grad=False) == "contiguous"
+
+
+def test_a_compiled_runner_keeps_its_edges_contiguous(tmp_path, monkeypatch) -> None:
+    """layout_runner compiles the module inside the layout's edges: whatever strides the graph
+    takes or gives, the output and the input's gradient (as torch's pipeline runtime takes it,
+    ``torch.autograd.grad``) leave contiguous, what a P2P send needs. A channels-last input shows
+    why: the compiled module alone hands its gradient back channels-last."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(128, 4))
+    x = torch.randn(2, 8, 4, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
+
+    def input_grad(runner: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        out = runner(x)
+        return out, torch.autograd.grad(out.sum(), x)[0]
+
+    assert not input_grad(torch.compile(copy.deepcopy(stage)))[1].is_contiguous()
+    _, eager = input_grad(copy.deepcopy(stage))
+    for layout in LAYOUTS:
+        out, grad = input_grad(layout_runner(copy.deepcopy(stage), layout, torch.compile))
+        assert out.is_contiguous() and grad.is_contiguous(), layout
+        torch.testing.assert_close(grad, eager)  # the same values, in another layout

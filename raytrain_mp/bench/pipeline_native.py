@@ -55,7 +55,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from raytrain_mp.bench.common import join_torchrun_group, summarize, timed
 from raytrain_mp.bench.pipeline.shared import seeded_mlp, seeded_setup, sgd, stage_modules, virtual_stages
-from raytrain_mp.memory_format import in_layout
+from raytrain_mp.memory_format import layout_runner
 from raytrain_mp.pipeline.schedule import SCHEDULES, stage_indices
 
 SETUPS = {"seeded_setup": seeded_setup, "seeded_mlp": seeded_mlp}
@@ -94,8 +94,8 @@ def measure(case: dict[str, Any], rank: int, world: int, device: torch.device) -
             if reason is None:
                 # in the layouts ours computed this point in, where the case names them
                 layouts = case.get("layouts", {}).get(f"{name} {m}", [["contiguous"] * virtual] * world)[rank]
-                runners = [in_layout(chunk, layout) for chunk, layout in zip(chunks, layouts)]
-                runners = [torch.compile(runner) for runner in runners] if case.get("compile") else runners
+                compile = torch.compile if case.get("compile") else None
+                runners = [layout_runner(chunk, layout, compile) for chunk, layout in zip(chunks, layouts)]
                 stages = [
                     PipelineStage(runner, index, world * virtual, device) for index, runner in zip(indices, runners)
                 ]

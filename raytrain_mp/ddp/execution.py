@@ -2,7 +2,7 @@
 (``--compile``), decided once per run.
 
 Job: ``prepare_runner`` returns what DDP wraps (the model in its layout, compiled under
-``--compile``; ``memory_format.in_layout``, ``compilation.compiler``) and what rank 0 says about
+``--compile``; ``memory_format.layout_runner``, ``compilation.compiler``) and what rank 0 says about
 it. ``auto`` times a copy of the model in both layouts on one micro-batch of the run's shape, as
 the run computes (compiled under ``--compile``), and keeps the faster; under ``--compile`` the
 chosen layout is also timed eager, and a run whose compiled forward+backward is the slower says so
@@ -29,7 +29,7 @@ from torch import nn
 
 from raytrain_mp.compilation import CompileWatch, compiler, slower_note
 from raytrain_mp.config import LAYOUTS
-from raytrain_mp.memory_format import in_layout, layout_seconds
+from raytrain_mp.memory_format import layout_runner, layout_seconds
 from raytrain_mp.precision import Autocast, autocast_for
 
 
@@ -70,14 +70,13 @@ def prepare_runner(
                 eager = _rank_zeros(layout_seconds(model, sample, False, wrap, layouts=(execution.layout,)))
                 note = slower_note(eager[execution.layout], seconds[execution.layout])
                 execution.lines += [f"note: {note}"] if note else []
-    runner = in_layout(wrap(model), execution.layout)
     if compile is None:
-        return runner, execution
+        return layout_runner(wrap(model), execution.layout), execution
     # A compiled backward may give a 1x1 kernel's gradient other strides for its size-1 dims than
     # the parameter's (the same elements in the same order); DDP then warns once per rank, and
     # copies it into its bucket, as it copies every gradient unless gradient_as_bucket_view.
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
-    return compile(runner), execution
+    return layout_runner(wrap(model), execution.layout, compile), execution
 
 
 def _rank_zeros(seconds: dict[str, float]) -> dict[str, float]:

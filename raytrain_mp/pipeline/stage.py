@@ -76,7 +76,7 @@ from torch import Tensor, nn
 
 from raytrain_mp.allocator import keep_freed_memory
 from raytrain_mp.compilation import compiler
-from raytrain_mp.memory_format import faster_layout, in_layout
+from raytrain_mp.memory_format import faster_layout, in_layout, layout_runner
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline.busy_clock import busy_clock
@@ -250,6 +250,10 @@ class StageWorker(StageState):
         # under autocast), and casting it would change the computation.
         return x.to(self.device, self.dtype) if x.is_floating_point() else x.to(self.device)
 
+    def _compiled(self, local: int) -> nn.Module:
+        """This rank's ``local``-th stage compiled, in its layout (``memory_format.layout_runner``)."""
+        return layout_runner(self._wrap(self.modules[local]), self._layouts[local], self._compile)
+
     def _wrap(self, module: nn.Module) -> nn.Module:
         return Autocast(module, autocast_for("bf16", self.device)) if self.config.autocast_bf16 else module
 
@@ -281,7 +285,7 @@ class StageWorker(StageState):
             # The metadata says which tensors carry gradients: every stage's input but the data's.
             stages.append(
                 TimedStage(
-                    runner if self._compile is None else self._compile(runner),
+                    runner if self._compile is None else self._compiled(local),
                     index,
                     self.config.num_stages,
                     self.device,
