@@ -111,6 +111,16 @@ NOT_HERE = {
         "9 minutes alone on 2 cores (three cold compiles of ResNet-18); its figures are committed in docs/bench",
     "raytrain-mp bench ddp --out docs/bench/ddp_compile_8x8 --compile --num-workers 2 --image-size 8":
         "minutes on 2 cores (three cold compiles of ResNet-18); its figures are committed in docs/bench",
+    **{command: "4 minutes on 2 cores (compiling ResNet-18's stages on both sides); its figures are committed in "
+       "docs/bench"
+       for command in (
+        "raytrain-mp bench pipeline --out docs/bench/pipeline_compile_eager --model resnet18 --imag"
+        "e-size 32 --global-batch-size 32 --microbatches 2,4 --steps 3 --warmup 1 --resnet-rounds 1"
+        " --no-overhead --no-hybrid --no-balanced --no-interleaved",
+        "raytrain-mp bench pipeline --out docs/bench/pipeline_compile --model resnet18 --image-size"
+        " 32 --global-batch-size 32 --microbatches 2,4 --steps 3 --warmup 1 --resnet-rounds 1 --no-"
+        "overhead --no-hybrid --no-balanced --no-interleaved --compile",
+    )},
     **{command: "compiles ResNet-18: a minute or more on 2 cores; tests/ddp/test_ddp_compile.py runs ddp, eval and "
        "predict --compile end to end on a small network"
        for command in (

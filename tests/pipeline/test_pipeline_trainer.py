@@ -387,17 +387,19 @@ def _assert_stopped(pipeline: PipelineTrainer, model: nn.Module, x: torch.Tensor
 
 
 def test_compiled_stages_equal_gradient_accumulation(ray_session: object, compile_cache: str) -> None:
-    """compile=True: each stage compiled in its actor, the layout measured on the compiled stage
-    (auto), trains as the single-process accumulation does, in float64 to the eager stages' 1e-10:
-    compiling reorders floating point sums inside fused kernels, nothing else. A small network
-    (``tiny_models``, cut across its skip connection): compiling ResNet-18's stages takes minutes here."""
+    """compile=True: each stage compiled in its actor, channels-last inside its contiguous edges
+    (``memory_format.layout_runner``: a compiled stage's input gradient once left non-contiguous
+    and the send refused it), trains as the single-process accumulation does, in float64 to the
+    eager stages' 1e-10: compiling reorders floating point sums inside fused kernels, nothing
+    else. A small network (``tiny_models``, cut across its skip connection): compiling ResNet-18's
+    stages takes minutes here; auto's compiled trial is ddp's test's."""
     torch.manual_seed(0)
     model = TinyNet(10, 1).double()
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LRS[0], momentum=0.9)
     batches = _batches(torch.float64, 3)
     options = {"lr": LRS[0], "momentum": 0.9, "weight_decay": 0.0, "use_gpu": False, "schedule": "1f1b"}
-    compiled = {"memory_format": "auto", "compile": True, "compile_cache": compile_cache}
+    compiled = {"memory_format": "channels_last", "compile": True, "compile_cache": compile_cache}
     with PipelineTrainer(model, 2, sample_input=batches[0][0], **compiled, **options) as pipeline:
         losses, want = [], []
         for (x, y), lr in zip(batches, LRS):
@@ -408,7 +410,7 @@ def test_compiled_stages_equal_gradient_accumulation(ray_session: object, compil
             want.append(_accumulate(reference, optimizer, x, y, 4))
         assert losses == pytest.approx(want, rel=1e-10)
         _assert_state_close(pipeline.state_dict(), reference.state_dict(), 1e-10)
-        assert {layout for rank in pipeline.memory_formats for layout in rank} <= {"channels_last", "contiguous"}
+        assert pipeline.memory_formats == [["channels_last"], ["channels_last"]]
 
 
 def test_bf16_step_then_a_raising_stage_is_named_and_every_stage_stopped(ray_session: object) -> None:
