@@ -35,10 +35,9 @@ from raytrain_mp.precision import Autocast, autocast_for
 
 @dataclass
 class Execution:
-    """The layout a run computes in, whether compiled, and rank 0's lines about it."""
+    """The layout a run computes in, rank 0's lines about it, and (compiled) the cache's counts."""
 
     layout: str
-    compiled: bool
     lines: list[str] = field(default_factory=list)
     watch: CompileWatch | None = None  # the compile cache's counts since the trial began
 
@@ -56,7 +55,7 @@ def prepare_runner(
         wrap = lambda module: module  # noqa: E731
     watch = CompileWatch.start() if compile is not None else None
     layout = carried or (cfg.memory_format if cfg.memory_format != "auto" else None)
-    execution = Execution(layout or "contiguous", compile is not None, watch=watch)
+    execution = Execution(layout or "contiguous", watch=watch)
     if layout is None or compile is not None:  # auto's choice, or the compiled/eager note
         sample = torch.randn(sample_shape, generator=torch.Generator().manual_seed(0), dtype=dtype).to(device)
         seconds = _rank_zeros(
