@@ -50,9 +50,8 @@ def prepare_runner(
     runner holds its autocast (``precision.Autocast``): the trial times what the run computes, and
     the graph it compiles is the run's."""
     compile = compiler(cfg)
-    wrap = lambda module: Autocast(module, autocast_for(cfg.precision, device))  # noqa: E731
-    if cfg.precision not in ("bf16", "fp16"):
-        wrap = lambda module: module  # noqa: E731
+    autocast = autocast_for(cfg.precision, device) if cfg.precision in ("bf16", "fp16") else None
+    wrap = (lambda module: Autocast(module, autocast)) if autocast else (lambda module: module)
     watch = CompileWatch.start() if compile is not None else None
     layout = carried or (cfg.memory_format if cfg.memory_format != "auto" else None)
     execution = Execution(layout or "contiguous", watch=watch)

@@ -2,9 +2,11 @@
 the first reads its graphs from the compile cache.
 
 Three fits of a small network (``tests.tiny_models``: compiling ResNet-18 would take minutes here)
-in float64 on 2 workers, synchronized BatchNorm on, 8 steps of 32 on a 128/32 cut of digits:
-eager; compiled with ``--memory-format auto``, crashing once after step 3 and restarting from the
-checkpoint at step 2; and that run again with ``--epochs 3`` (a rerun of a finished ``--name``).
+in float64, 8 steps of 32 on a 128/32 cut of digits: eager on 1 worker, the single-process
+reference; compiled on 2 workers, synchronized BatchNorm on, with ``--memory-format auto``,
+crashing once after step 3 and restarting from the checkpoint at step 2 (so the one comparison
+holds compiling, the worker count and a resume at a step together); and that run again with
+``--epochs 3`` (a rerun of a finished ``--name``).
 
 Tolerance: compiling changes the order of floating point sums inside fused kernels, nothing else;
 in float64 over 8 steps at these learning rates that stays near 1e-15 (the bound is 1e-9, the fp64
@@ -37,7 +39,7 @@ def runs(tmp_path_factory, compile_cache) -> dict:
     storage, marker = str(root / "runs"), root / "crashed"
     common = [*ARGS, "--data", data, "--storage-path", storage]
     compiled = [*common, "--name", "compiled", "--compile", "--compile-cache", compile_cache, "--memory-format", "auto"]
-    eager, _ = run_cli_json_and_text(*common, "--name", "eager")
+    eager, _ = run_cli_json_and_text(*common, "--name", "eager", "--num-workers", "1")
     crash = ["--max-failures", "1", "--checkpoint-every-steps", "2", "--inject-fault", f"1:s3:{marker}"]
     first, first_text = run_cli_json_and_text(*compiled, *crash)
     state = load_model_pt(first)  # before the rerun's checkpoints replace it
