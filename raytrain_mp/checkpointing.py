@@ -146,6 +146,18 @@ def report_checkpoint(metrics: dict, name: str, checkpoint: tuple | None, log: A
     ray.train.report(metrics, checkpoint=folder, checkpoint_dir_name=name, delete_local_checkpoint_after_upload=True)
 
 
+def wait_until_reports_taken() -> None:
+    """Blocks a ddp worker until Ray Train's controller has polled every report it made. Ray Train
+    registers a checkpoint only from a poll that finds every rank's report, and drops the reports
+    still queued on a worker when a poll finds a failure first: a worker about to fail on purpose
+    (``--inject-fault``) waits here so that its last checkpoint is the one a restart resumes from.
+    Ray Train has no public call for it; its report queue is a ``queue.Queue`` whose poll marks
+    each report done."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    get_train_context().get_result_queue().join()
+
+
 def local_parent(run: Location) -> str | None:
     """Where a checkpoint is written before publishing: inside a local run folder (so publishing
     is a rename on one filesystem), else the system's temporary folder."""

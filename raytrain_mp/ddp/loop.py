@@ -56,6 +56,7 @@ from raytrain_mp.checkpointing import (
     report_checkpoint,
     resumed_at,
     set_rng_states,
+    wait_until_reports_taken,
 )
 from raytrain_mp.config import to_yaml
 from raytrain_mp.data import ParquetImageDataset, read_meta, resolve_dataset
@@ -422,9 +423,8 @@ def maybe_inject_fault(fault: FaultSpec | None, rank: int, at: str) -> None:
     points: at WHEN it is a collective (a barrier)."""
     if fault is None or fault.when != at:
         return
-    # Every rank's report is queued before one of them fails: Ray Train registers a checkpoint
-    # only from a poll that finds every rank's report, and a fast poll that finds the failure
-    # before rank 0 has written the checkpoint would lose it.
+    # A poll that finds the failure before a rank's report loses the checkpoint (a loaded machine)
+    wait_until_reports_taken()
     if dist.is_initialized():
         dist.barrier()
     if rank == fault.index and fault.due(at):
