@@ -40,7 +40,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,11 +135,22 @@ class CompileWatch:
         hits, misses = _cache_counts()
         return hits - self.hits, misses - self.misses
 
+    def counts(self) -> tuple[int, int, float, str]:
+        """(graphs read from the cache, graphs compiled, seconds) since ``start``, and the cache's folder."""
+        hits, misses = self.since()
+        return hits, misses, time.perf_counter() - self.started, os.environ[CACHE_ENV]
+
     def line(self) -> str:
         """What compiling took so far, for the line after a start's first step."""
-        hits, misses = self.since()
-        seconds = time.perf_counter() - self.started
-        return f"compiled in {seconds:.1f} s: {hits} of {hits + misses} graphs from the cache {os.environ[CACHE_ENV]}"
+        return compiled_line([self.counts()])
+
+
+def compiled_line(counts: Sequence[tuple[int, int, float, str]]) -> str:
+    """The line of one process's ``CompileWatch.counts``, or of several that compiled side by side
+    (a pipeline's stage actors: their graphs summed, the slowest one's seconds)."""
+    hits, total = sum(c[0] for c in counts), sum(c[0] + c[1] for c in counts)
+    folders = ", ".join(dict.fromkeys(c[3] for c in counts))
+    return f"compiled in {max(c[2] for c in counts):.1f} s: {hits} of {total} graphs from the cache {folders}"
 
 
 def slower_note(eager: float, compiled: float) -> str | None:

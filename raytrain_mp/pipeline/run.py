@@ -73,6 +73,7 @@ from raytrain_mp.checkpointing import (
     set_rng_states,
     write_result,
 )
+from raytrain_mp.compilation import compiled_line
 from raytrain_mp.config import absolute_path, to_yaml
 from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
@@ -365,6 +366,7 @@ def train_epochs(
     tracker = Tracker.of(cfg, warn=lambda line: console.say(f"warning: {line}"))  # --mlflow
     log = RunLog(run, start_epoch * steps_per_epoch + start_step, cfg.global_batch_size, schedule, tracker)
     fault = FaultSpec.parse(cfg.inject_fault)
+    compiling = cfg.compile  # the stages compile in this start's first call: a line says what it took
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
         loss_sum = carried if first else 0.0
@@ -376,6 +378,9 @@ def train_epochs(
                 trainer.train_data_steps(steps, steps_per_call=cfg.steps_per_call), start=segment.start
             ):
                 loss_sum += loss
+                if compiling:
+                    console.say(compiled_line([counts for counts in trainer.compile_counts if counts is not None]))
+                    compiling = False
                 done = epoch * steps_per_epoch + step + 1
                 due = progress.step(done)
                 if due:

@@ -75,7 +75,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from raytrain_mp.allocator import keep_freed_memory
-from raytrain_mp.compilation import compiler
+from raytrain_mp.compilation import CompileWatch, compiler
 from raytrain_mp.memory_format import faster_layout, in_layout, layout_runner
 from raytrain_mp.niceness import run_at_normal_niceness
 from raytrain_mp.optim import build_optimizer
@@ -115,6 +115,7 @@ class StageWorker(StageState):
         # --compile: what torch's runtime runs is each runner compiled, here, on the rank's device;
         # eval forwards (the shape probe, predict) run the runners eager: one graph a stage.
         self._compile = compiler(config)
+        self._watch = CompileWatch.start() if self._compile is not None else None
         if self._compile is not None:  # torch's runtime may split a backward (input, then weight
             # gradients) over one retained graph, which a compiled backward's donated buffers forbid
             torch._functorch.config.donated_buffer = False
@@ -256,6 +257,10 @@ class StageWorker(StageState):
 
     def _wrap(self, module: nn.Module) -> nn.Module:
         return Autocast(module, autocast_for("bf16", self.device)) if self.config.autocast_bf16 else module
+
+    def compile_counts(self) -> tuple[int, int, float, str] | None:
+        """Under --compile, ``CompileWatch.counts`` since this actor began (its trials included)."""
+        return None if self._watch is None else self._watch.counts()
 
     def memory_formats(self) -> list[str]:
         """The layout each of this rank's stages computes in (``config.LAYOUTS``)."""

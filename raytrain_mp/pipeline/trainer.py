@@ -19,17 +19,15 @@ Invariants:
 - A step equals gradient accumulation over the same micro-batches in one process (each
   micro-batch's loss weighted by its share of the batch), followed by the same optimizer step.
   Torch's runtime needs equal micro-batches, so a batch that m does not divide is refused.
-- A rank that dies, raises or hangs surfaces as ``StageFailedError`` naming it and the step. When
-  several fail, the origin is the one whose actor died, else the one that failed for its own
-  reason rather than because a peer stopped answering (a receive times out after
-  ``p2p_timeout_s``); when only the latter failed, the origin is a rank that never answered
-  (``blame``). On NCCL a rank whose receive times out does not raise: torch's watchdog aborts its
-  process. A rank whose process ended that way, or by any signal or crash, while others stay
-  silent counts as dead only if they then fail within a receive timeout of the last failure (a
-  dead rank's peers give up on it); if they outlive that, it lost its peer, and a silent rank is
-  named as on gloo; telling the two apart costs up to one more ``p2p_timeout_s`` (and 20 s). The
-  other ranks may be waiting on the failed one, so the trainer stops every rank of every replica;
-  rebuild it (from a checkpoint) to go on.
+- A rank that dies, raises or hangs surfaces as ``StageFailedError`` naming it and the step. When several fail, the
+  origin is the one whose actor died, else the one that failed for its own reason rather than because a peer stopped
+  answering (a receive times out after ``p2p_timeout_s``); when only the latter failed, the origin is a rank that
+  never answered (``blame``). On NCCL a rank whose receive times out does not raise: torch's watchdog aborts its
+  process. A rank whose process ended that way, or by any signal or crash, while others stay silent counts as dead
+  only if they then fail within a receive timeout of the last failure (a dead rank's peers give up on it); if they
+  outlive that, it lost its peer, and a silent rank is named as on gloo; telling the two apart costs up to one more
+  ``p2p_timeout_s`` (and 20 s). The other ranks may be waiting on the failed one, so the trainer stops every rank of
+  every replica; rebuild it (from a checkpoint) to go on.
 - With replicas, a step equals gradient accumulation over all R x m micro-batches of the batch in
   order, and every replica holds the same parameters and buffers after it.
 - ``state_dict()`` is the full model's state dict (original keys, CPU tensors) and loads with
@@ -71,21 +69,19 @@ class PipelineTrainer:
     The keyword arguments are the fields of a ``spec.PipelineSpec``, validated once;
     ``PipelineTrainer.from_spec(model, spec, sample_input, data)`` takes the spec itself.
 
-    ``virtual_stages`` V > 1 (interleaved schedules) cuts the model into ``num_stages * V`` parts
-    and rank r holds parts r, r + num_stages, ...; ``split_points`` then names ``num_stages * V - 1``
-    cuts. Partition: ``split_points`` (block names to cut before, e.g. ``["layer3"]``), or
-    ``balance`` ``"params"`` (equal parameter counts) or ``"time"`` (seconds profiled on one rank's
-    device with the first micro-batch of ``sample_input``: equal forward+backward seconds, or for
-    ``schedule="gpipe"`` the least largest forward plus largest backward, what its step pays; the
-    cut stays when ``set_schedule`` changes the schedule). Neither means ``"params"``.
-    ``balance_trials`` N > 0 (with ``"time"``) corrects the profile by the running stages: a
-    profile times blocks one at a time and alone, and running stages, which share the machine,
-    can take a few percent more or less each, enough to make another cut the better one. The
-    profile's cut runs on the stage actors (one untimed step of ``sample_input``, N timed ones);
-    each block's profiled seconds are scaled by what its rank measured against the profile
-    (``rescale_to_measured``) and cut anew; a new cut runs in turn, up to ``TRIAL_CUTS`` cuts;
-    the one with the smallest median bubble stays, built afresh. ``balance_trials`` reports every
-    cut run, ``profile`` the (forward, backward) seconds of each block.
+    ``virtual_stages`` V > 1 (interleaved schedules) cuts the model into ``num_stages * V`` parts and rank r holds
+    parts r, r + num_stages, ...; ``split_points`` then names ``num_stages * V - 1`` cuts. Partition:
+    ``split_points`` (block names to cut before, e.g. ``["layer3"]``), or ``balance`` ``"params"`` (equal parameter
+    counts) or ``"time"`` (seconds profiled on one rank's device with the first micro-batch of ``sample_input``:
+    equal forward+backward seconds, or for ``schedule="gpipe"`` the least largest forward plus largest backward,
+    what its step pays; the cut stays when ``set_schedule`` changes the schedule). Neither means ``"params"``.
+    ``balance_trials`` N > 0 (with ``"time"``) corrects the profile by the running stages: a profile times blocks
+    one at a time and alone, and running stages, which share the machine, can take a few percent more or less each,
+    enough to make another cut the better one. The profile's cut runs on the stage actors (one untimed step of
+    ``sample_input``, N timed ones); each block's profiled seconds are scaled by what its rank measured against the
+    profile (``rescale_to_measured``) and cut anew; a new cut runs in turn, up to ``TRIAL_CUTS`` cuts; the one with
+    the smallest median bubble stays, built afresh. ``balance_trials`` reports every cut run, ``profile`` the
+    (forward, backward) seconds of each block.
     ``memory_format`` is the layout each stage computes in: ``"channels_last"`` (NHWC, the layout
     oneDNN's CPU kernels and GPU tensor cores favour), ``"contiguous"`` (the model's own), or
     ``"auto"`` (default): each rank times each of its stages in both (compiled under ``compile``)
@@ -115,11 +111,10 @@ class PipelineTrainer:
     takes (epoch, step, lr) positions, ``evaluate`` runs the val split, and the driver sends no
     pixels. ``train_step``/``train_steps``/``predict`` take tensors with or without it.
 
-    ``num_replicas`` R: R copies of the pipeline (R x ``num_stages`` actors), each on the r-th
-    contiguous share of every batch, which R x ``num_microbatches`` must divide; gradients are
-    averaged over the replicas, so a step equals one over the whole batch. Each replica is one
-    placement group under ``placement_strategy``; with STRICT_PACK the replicas go to different
-    nodes where they can.
+    ``num_replicas`` R: R copies of the pipeline (R x ``num_stages`` actors), each on the r-th contiguous share of
+    every batch, which R x ``num_microbatches`` must divide; gradients are averaged over the replicas, so a step
+    equals one over the whole batch. Each replica is one placement group under ``placement_strategy``; with
+    STRICT_PACK the replicas go to different nodes where they can.
     """
 
     def __init__(
@@ -279,6 +274,11 @@ class PipelineTrainer:
         """Per actor (replica-major), the layout each of its stages computes in now: under
         ``memory_format="auto"`` what the last new schedule, m or micro-batch shape measured faster."""
         return self._stages.call_all("memory_formats")
+
+    @property
+    def compile_counts(self) -> list[tuple[int, int, float, str] | None]:
+        """Per actor, under ``compile``: ``compilation.CompileWatch.counts`` since it started."""
+        return self._stages.call_all("compile_counts")
 
     # -- steps -----------------------------------------------------------------------------------
 
