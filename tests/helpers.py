@@ -62,6 +62,9 @@ def run_cli(capsys, *argv: str) -> CliResult:
 # colour: e.g. Ray Train's placement-group cleaners from earlier fits in the session, which warn
 # every second when the session runs without a dashboard. They are Ray's lines, not the command's.
 RAY_FORWARDED = re.compile(r"^(\x1b\[[0-9;]*m)?\((\w+ )?pid=\w+")
+# The line a compiled run prints after each start's first step (``compilation.compiled_line``):
+# (graphs read from the cache, graphs in all, the cache's folder).
+COMPILED_LINE = re.compile(r"compiled in [0-9.]+ s: (\d+) of (\d+) graphs from the cache (\S+)")
 
 
 def assert_usage_error(result: CliResult, *fragments: str) -> None:

@@ -21,11 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import load_model_pt, max_abs_diff, run_cli_json, run_cli_json_and_text, write_digits_cut
+from helpers import COMPILED_LINE, load_model_pt, max_abs_diff, run_cli_json, run_cli_json_and_text, write_digits_cut
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # three fits, two compiled
 
-COMPILED = re.compile(r"compiled in [0-9.]+ s: (\d+) of (\d+) graphs from the cache (\S+)")
 ARGS = [
     "ddp", "--no-use-gpu", "--num-workers", "2", "--model", "tests.tiny_models:tiny_net", "--precision", "fp64",
     "--epochs", "2", "--global-batch-size", "32", "--base-lr", "0.2", "--seed", "3", "--log-every", "0",
@@ -67,12 +66,12 @@ def test_a_compiled_run_trains_the_eager_runs_model(runs):
 
 
 def test_a_restart_and_a_rerun_read_every_graph_from_the_cache(runs):
-    starts = COMPILED.findall(runs["first"])
+    starts = COMPILED_LINE.findall(runs["first"])
     assert len(starts) == 2  # the first start, and the restart after the crash
-    for hits, total, folder in [starts[1], *COMPILED.findall(runs["rerun"])]:
+    for hits, total, folder in [starts[1], *COMPILED_LINE.findall(runs["rerun"])]:
         assert int(total) > 0 and hits == total
         assert folder == runs["cache"]
-    assert len(COMPILED.findall(runs["rerun"])) == 1
+    assert len(COMPILED_LINE.findall(runs["rerun"])) == 1
 
 
 def test_auto_chooses_the_layout_once_and_the_checkpoint_carries_it(runs):

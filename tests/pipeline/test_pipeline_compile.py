@@ -16,15 +16,12 @@ the bound is the fp64 tests' 1e-9, far below the 1e-3 a different computation mo
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from helpers import load_model_pt, max_abs_diff, run_cli_json, run_cli_json_and_text, write_digits_cut
+from helpers import COMPILED_LINE, load_model_pt, max_abs_diff, run_cli_json, run_cli_json_and_text, write_digits_cut
 
 pytestmark = [pytest.mark.usefixtures("ray_session"), pytest.mark.slow]  # two pipeline runs, one compiled
 
-COMPILED = re.compile(r"compiled in [0-9.]+ s: (\d+) of (\d+) graphs from the cache (\S+)")
 
 ARGS = [
     "pipeline", "--no-use-gpu", "--model", "tests.tiny_models:tiny_net", "--split-points", "body.1", "--stages", "2",
@@ -47,7 +44,7 @@ def test_compiled_replicas_resumed_at_a_step_train_the_eager_runs_model(tmp_path
     assert "compiled/checkpoint_000001_step_000002 at epoch 1 step 3" in text  # the stages rebuilt from step 2
     assert compiled["epochs"] == eager["epochs"] == 2
     # each start's line sums its 4 stage actors; the rebuilt stages read every graph from the cache
-    (first_hits, first_total, folder), (hits, total, _) = COMPILED.findall(text)
+    (first_hits, first_total, folder), (hits, total, _) = COMPILED_LINE.findall(text)
     assert folder == compile_cache and int(first_total) >= 4 and hits == total == first_total
     one, two = load_model_pt(eager), load_model_pt(compiled)
     assert list(one) == list(two)  # compiling changes no state-dict key
