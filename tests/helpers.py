@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +86,19 @@ def assert_usage_error(result: CliResult, *fragments: str) -> None:
         assert fragment in lines[0], (fragment, lines[0])
 
 
+@contextlib.contextmanager
+def timed(argv: Sequence[str]) -> Iterator[None]:
+    """Writes to the test's stderr when a command started and how long it took (pytest shows it
+    with a failed test's output): which run of a fixture's several spent a timeout."""
+    command = f"raytrain-mp {argv[0]} {argv[argv.index('--name') + 1] if '--name' in argv else ''}"
+    start = time.monotonic()
+    sys.stderr.write(f"{time.strftime('%H:%M:%S')} {command}: started\n")
+    try:
+        yield
+    finally:
+        sys.stderr.write(f"{time.strftime('%H:%M:%S')} {command}: {time.monotonic() - start:.1f} s\n")
+
+
 def run_cli_json(*argv: str) -> dict:
     """Run a command that must succeed with ``--json`` and return its JSON result.
 
@@ -91,11 +108,10 @@ def run_cli_json(*argv: str) -> dict:
 
 def run_cli_json_and_text(*argv: str) -> tuple[dict, str]:
     """``run_cli_json``'s result, and everything the command printed (the run's lines)."""
-    import contextlib
     import io
 
     buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
+    with timed(argv), contextlib.redirect_stdout(buffer):
         code = main([*argv, "--json"])
     assert code == 0, buffer.getvalue()[-3000:]
     for line in reversed(buffer.getvalue().splitlines()):
@@ -120,11 +136,10 @@ def run_without(module: str, *argv: str):
 def run_cli_text(*argv: str) -> tuple[int, str]:
     """``(exit code, stdout and stderr)`` of a command run in-process, failed or not (a run that
     raises is exit code 1, as the command line reports it)."""
-    import contextlib
     import io
 
     buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+    with timed(argv), contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
         try:
             code = main(list(argv))
         except Exception as exc:  # a failed run: the command line prints the traceback and exits 1

@@ -26,7 +26,7 @@ import torch
 
 from raytrain_mp.models import build_model
 
-from helpers import load_model_pt, max_abs_diff, run_cli_json, run_cli_text, write_digits_cut
+from helpers import load_model_pt, max_abs_diff, run_cli_json, run_cli_text, timed, write_digits_cut
 from mlflow_check import artifacts, assert_tracks_folder, runs_of
 from run_log_check import checked_run_log
 
@@ -128,25 +128,39 @@ def fp64_fits(storage: str, data: str, runs: dict[str, list[str]]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def loader_runs(fp64_runs, storage, tmp_path_factory):
-    """With --augment, every option of the recipe (``RECIPE``) and loader processes: 1 worker with
-    2; 2 workers with 1 each, crashing once after global step 7 (mid-epoch 2, resumed from the
-    checkpoint at step 6, its loader processes kept across the restart), which carries both the
-    loader invariance and the resume after a crash; 2 workers with 2 each on a Ray of its own, the
-    uninterrupted run of the same world size. Its own fixture: each fixture's fits must finish
-    within one test's timeout on a busy machine."""
-    marker = tmp_path_factory.mktemp("fault") / "crashed"
-    augment = ["--augment", *RECIPE, "--num-workers"]
-    crash = ["--max-failures", "1", "--checkpoint-every-steps", "2", "--inject-fault", f"1:s7:{marker}"]
-    runs = {
-        "one_loaders": [*augment, "1", "--loader-workers", "2"],
-        "two_crash": [*augment, "2", "--loader-workers", "1", *crash],
-    }
-    runs = fp64_fits(storage, fp64_runs["data"], runs)
-    runs["two_by_two"] = fit_on_a_larger_ray(
-        storage, fp64_runs["data"], "fp64-two-by-two", *augment, "2", "--loader-workers", "2"
+def recipe_crash_marker(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fault") / "crashed"
+
+
+# The recipe runs (--augment, every option of ``RECIPE``, loader processes), a fixture each, so that
+# no test's setup holds more than one new fit (a fixture's fits must end within one test's timeout
+# on a busy machine, and CI once spent over 900 s on a setup of four).
+@pytest.fixture(scope="module")
+def recipe_crash(fp64_runs, storage, recipe_crash_marker) -> dict:
+    """2 workers with a loader process each, crashing once after global step 7 (mid-epoch 2, resumed
+    from the checkpoint at step 6, its loader processes kept across the restart): it carries both
+    the loader invariance and the resume after a crash."""
+    crash = ["--max-failures", "1", "--checkpoint-every-steps", "2", "--inject-fault", f"1:s7:{recipe_crash_marker}"]
+    return fp64_fits(storage, fp64_runs["data"], {"two_crash": [*RECIPE_FLAGS, "2", "--loader-workers", "1", *crash]})[
+        "two_crash"
+    ]
+
+
+@pytest.fixture(scope="module")
+def recipe_two_by_two(fp64_runs, storage) -> dict:
+    """2 workers with 2 loader processes each, on a Ray of its own: the uninterrupted run of the
+    crashed one's world size."""
+    return fit_on_a_larger_ray(
+        storage, fp64_runs["data"], "fp64-two-by-two", *RECIPE_FLAGS, "2", "--loader-workers", "2"
     )
-    return {**fp64_runs, **runs, "marker": marker}
+
+
+@pytest.fixture(scope="module")
+def recipe_one_loaders(fp64_runs, storage) -> dict:
+    """1 worker with 2 loader processes."""
+    return fp64_fits(storage, fp64_runs["data"], {"one_loaders": [*RECIPE_FLAGS, "1", "--loader-workers", "2"]})[
+        "one_loaders"
+    ]
 
 
 # torchvision's recipe (issue 49): per-sample auto-augment and random erasing, mixup or cutmix a
@@ -158,6 +172,7 @@ RECIPE = [
     "--label-smoothing", "0.1", "--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.999",
     "--norm-weight-decay", "0.01", "--ra-sampler", "--ra-reps", "2",
 ]  # fmt: skip
+RECIPE_FLAGS = ["--augment", *RECIPE, "--num-workers"]  # then the worker count
 
 
 def load_ema_pt(result: dict) -> dict:
@@ -179,41 +194,10 @@ def fit_on_a_larger_ray(storage: str, data: str, name: str, *extra: str) -> dict
         "sys.exit(main(sys.argv[1:]))\n"
     )
     argv = [*fp64_argv(data, storage, name, *extra), "--json"]
-    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=900)
+    with timed(argv):
+        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
-
-
-def test_world_size_invariance_fp64(step_runs):
-    """1 worker and 2 train one model. The 2-worker run here is the one that also crashes after step
-    8 (test_a_crash_mid_epoch_resumes_at_the_next_step_and_equals_the_uninterrupted_run): one fit
-    carries both invariances. An uninterrupted 2-worker run equals the 1-worker run as well in
-    test_loader_processes_and_augmentation_keep_both_invariances (two_by_two)."""
-    one, two = load_model_pt(step_runs["one"]), load_model_pt(step_runs["two"])
-    assert one["conv1.weight"].dtype == torch.float64
-    assert max_abs_diff(one, two) < 1e-9
-    assert step_runs["one"]["epochs"] == step_runs["two"]["epochs"] == 2
-    assert step_runs["two"]["world_size"] == 2 and step_runs["two"]["global_batch_size"] == 64
-
-
-def test_loader_processes_and_augmentation_keep_both_invariances(loader_runs):
-    """1 worker with 2 loader processes, 2 workers with 2 each, and 2 workers with 1 each (the run
-    that also crashed once: test_resume_after_crash_equals_uninterrupted_run) train one model and
-    one weight average, with every option of the recipe on."""
-    one_run = loader_runs["one_loaders"]
-    one, one_ema = load_model_pt(one_run), load_ema_pt(one_run)
-    two_by_two, two_crash = loader_runs["two_by_two"], loader_runs["two_crash"]
-    assert two_by_two["world_size"] == two_crash["world_size"] == 2
-    for run in (two_by_two, two_crash):
-        assert max_abs_diff(one, load_model_pt(run)) < 1e-9
-        assert max_abs_diff(one_ema, load_ema_pt(run)) < 1e-9
-        assert run["val_accuracy_ema"] == one_run["val_accuracy_ema"]
-    assert max_abs_diff(one, load_model_pt(loader_runs["one"])) > 1e-3  # augmentation did change the batches
-    assert max_abs_diff(one, one_ema) > 1e-3  # the average is not the model
-    # the optimizer the workers built: conv/linear weights at --weight-decay, the rest at --norm-weight-decay
-    state = torch.load(Path(one_run["checkpoint"]) / "train_state.pt", map_location="cpu", weights_only=False)
-    decays = {round(group["weight_decay"], 12) for group in state["optimizer"]["param_groups"]}
-    assert decays == {5e-4, 0.01}, decays
 
 
 def test_without_sync_bn_the_model_differs(fp64_runs):
@@ -221,88 +205,78 @@ def test_without_sync_bn_the_model_differs(fp64_runs):
     assert max_abs_diff(load_model_pt(fp64_runs["one"]), load_model_pt(fp64_runs["two_no_sync"])) > 1e-3
 
 
-def test_resume_after_crash_equals_uninterrupted_run(loader_runs):
-    """2 workers (augmented with the recipe, a loader process each) crash after global step 7 and
-    resume at step 6's checkpoint: the model and its weight average are the uninterrupted 2-worker
-    run's (with 2 loader processes each, which
-    test_loader_processes_and_augmentation_keep_both_invariances shows changes nothing)."""
-    assert loader_runs["marker"].read_text() == "rank 1 crashed after step 7\n"
-    crashed, uninterrupted = loader_runs["two_crash"], loader_runs["two_by_two"]
-    assert crashed["epochs"] == 2 and crashed["world_size"] == 2
-    assert max_abs_diff(load_model_pt(uninterrupted), load_model_pt(crashed)) < 1e-9
-    assert max_abs_diff(load_ema_pt(uninterrupted), load_ema_pt(crashed)) < 1e-9
+# The step runs: checkpointed every 2 steps, crashed after global step 8 of 10 (step 3 of epoch 2),
+# each logging to MLflow (``MLFLOW_TRACKING_URI``, experiment ``ddp-steps``); the uninterrupted run
+# they end as is ``fp64_one``. A fixture each, as the recipe runs below.
+STEP_FLAGS = ["--checkpoint-every-steps", "2", "--log-every", "1", "--mlflow", "--mlflow-experiment", "ddp-steps"]
 
 
 @pytest.fixture(scope="module")
-def step_runs(fp64_one, fp64_data, storage, tmp_path_factory, mlflow_server):
-    """Crashes after global step 8 of 10 (step 3 of epoch 2), checkpointed every 2 steps: "two", 2
-    workers restarted by Ray Train (the 2-worker run of test_world_size_invariance_fp64 too); 2
-    workers with no restart left, rerun with 1 worker. The uninterrupted run they end as is "one".
-    All three log to MLflow (``MLFLOW_TRACKING_URI``, experiment ``ddp-steps``)."""
-    from helpers import run_cli_text
-
-    marker, marker_fail = (tmp_path_factory.mktemp("fault") / "crashed" for _ in range(2))
-    every = ["--checkpoint-every-steps", "2", "--log-every", "1", "--mlflow", "--mlflow-experiment", "ddp-steps"]
-    data = fp64_data
+def step_crash(fp64_data, storage, tmp_path_factory, mlflow_server) -> dict:
+    """2 workers restarted by Ray Train (also the 2-worker run of test_world_size_invariance_fp64);
+    ``marker``: the fault's marker file."""
+    marker = tmp_path_factory.mktemp("fault") / "crashed"
+    crash = ["--num-workers", "2", *STEP_FLAGS, "--max-failures", "1", "--inject-fault", f"1:s8:{marker}"]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MLFLOW_TRACKING_URI", mlflow_server)
-        runs = fp64_fits(
-            storage,
-            data,
-            {"two": ["--num-workers", "2", *every, "--max-failures", "1", "--inject-fault", f"1:s8:{marker}"]},
+        return {**fp64_fits(storage, fp64_data, {"two": crash})["two"], "marker": marker}
+
+
+@pytest.fixture(scope="module")
+def step_rerun(fp64_data, storage, tmp_path_factory, mlflow_server) -> dict:
+    """2 workers with no restart left (``failed``), rerun with 1 worker (``resumed``): each
+    ``run_cli_text``'s (exit code, output)."""
+    marker = tmp_path_factory.mktemp("fault") / "crashed"
+    crash = ["--num-workers", "2", *STEP_FLAGS, "--inject-fault", f"0:s8:{marker}"]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+        failed = run_cli_text(*fp64_argv(fp64_data, storage, "fp64-step-crash-w1", *crash))
+        resumed = run_cli_text(
+            *fp64_argv(fp64_data, storage, "fp64-step-crash-w1", "--num-workers", "1", *STEP_FLAGS, "--json")
         )
-        crash = ["--num-workers", "2", *every, "--inject-fault", f"0:s8:{marker_fail}"]
-        failed = run_cli_text(*fp64_argv(data, storage, "fp64-step-crash-w1", *crash))
-        resumed = run_cli_text(*fp64_argv(data, storage, "fp64-step-crash-w1", "--num-workers", "1", *every, "--json"))
-    return {"one": fp64_one, "data": data, **runs, "marker": marker, "marker_fail": marker_fail, "failed": failed,
-            "resumed": resumed}  # fmt: skip
+    return {"failed": failed, "resumed": resumed}
 
 
-def test_a_crash_mid_epoch_resumes_at_the_next_step_and_equals_the_uninterrupted_run(step_runs):
+def test_world_size_invariance_fp64(fp64_one, step_crash):
+    """1 worker and 2 train one model. The 2-worker run here is the one that also crashes after step
+    8 (test_a_crash_mid_epoch_resumes_at_the_next_step_and_equals_the_uninterrupted_run): one fit
+    carries both invariances. An uninterrupted 2-worker run equals the 1-worker run as well in
+    test_loader_processes_and_augmentation_keep_both_invariances (two_by_two)."""
+    one, two = load_model_pt(fp64_one), load_model_pt(step_crash)
+    assert one["conv1.weight"].dtype == torch.float64
+    assert max_abs_diff(one, two) < 1e-9
+    assert fp64_one["epochs"] == step_crash["epochs"] == 2
+    assert step_crash["world_size"] == 2 and step_crash["global_batch_size"] == 64
+
+
+def test_a_crash_mid_epoch_resumes_at_the_next_step_and_equals_the_uninterrupted_run(fp64_one, step_crash):
     """Compared with the uninterrupted 1-worker run (test_world_size_invariance_fp64 is the same
     comparison; 2 workers crashed after epoch 1 equal 2 uninterrupted ones in
     test_resume_after_crash_equals_uninterrupted_run)."""
-    assert step_runs["marker"].read_text() == "rank 1 crashed after step 8\n"
-    crashed, uninterrupted = step_runs["two"], step_runs["one"]
+    assert step_crash["marker"].read_text() == "rank 1 crashed after step 8\n"
+    crashed, uninterrupted = step_crash, fp64_one
     assert crashed["world_size_history"] == [[0, 2], [8, 2]] and crashed["epochs"] == 2
     assert max_abs_diff(load_model_pt(uninterrupted), load_model_pt(crashed)) < 1e-9
     # the epoch's loss counts the 3 steps before the crash once, and not the step after the checkpoint twice
     assert crashed["train_loss"] == pytest.approx(uninterrupted["train_loss"], rel=1e-9)
 
 
-def test_the_run_log_continues_at_the_checkpoint_without_duplicated_or_missing_steps(step_runs, loader_runs):
-    """Crashed after step 8 and resumed from the checkpoint after it (by Ray Train, or by a rerun of
-    the name with another world size), every step and epoch is logged once, in metrics.csv and in
-    the TensorBoard events; the epochs' numbers are the uninterrupted run's."""
-    resumed = json.loads(step_runs["resumed"][1].strip().splitlines()[-1])
-    one = checked_run_log(step_runs["one"]["run"], steps=10, epochs=2, steps_per_epoch=5, log_every=0)
-    for run in (step_runs["two"], resumed):
-        rows = checked_run_log(run["run"], steps=10, epochs=2, steps_per_epoch=5)
-        epochs = [r for r in rows if r["kind"] == "epoch"]
-        for name in ("train_loss", "val_loss", "val_accuracy", "lr"):
-            assert [float(r[name]) for r in epochs] == pytest.approx([float(r[name]) for r in one], rel=1e-9)
-    crash_after_epoch = checked_run_log(
-        loader_runs["two_crash"]["run"], steps=10, epochs=2, steps_per_epoch=5, log_every=0
-    )
-    assert crash_after_epoch[-1]["val_accuracy"] == repr(loader_runs["two_crash"]["val_accuracy"])
-
-
-def test_a_crash_mid_epoch_resumes_with_another_world_size(step_runs, storage):
-    code, out = step_runs["failed"]
+def test_a_crash_mid_epoch_resumes_with_another_world_size(fp64_one, step_rerun, storage):
+    code, out = step_rerun["failed"]
     assert code == 1 and "Traceback" not in out.split("raytrain-mp: failed:")[-1]
     failed = (
         "raytrain-mp: failed: ddp worker rank 0 failed: RuntimeError: injected fault: rank 0 after step 8 "
         "(0 restarts used of --max-failures 0)"
     )
     assert failed in out.splitlines(), out[-3000:]
-    code, out = step_runs["resumed"]
+    code, out = step_rerun["resumed"]
     assert code == 0, out[-3000:]
     assert "resumed from" in out and "checkpoint_000002_step_000003 at epoch 2 step 4" in out
     assert "1 worker on 1 node from step 8" in out
     result = json.loads(out.strip().splitlines()[-1])
     assert result["world_size_history"] == [[0, 2], [8, 1]] and result["world_size"] == 1
-    assert max_abs_diff(load_model_pt(step_runs["one"]), load_model_pt(result)) < 1e-9
-    assert result["train_loss"] == pytest.approx(step_runs["one"]["train_loss"], rel=1e-9)
+    assert max_abs_diff(load_model_pt(fp64_one), load_model_pt(result)) < 1e-9
+    assert result["train_loss"] == pytest.approx(fp64_one["train_loss"], rel=1e-9)
     names = sorted(p.name for p in Path(result["run"]).glob("checkpoint_*") if p.is_dir())
     assert names == [
         "checkpoint_000002",
@@ -310,13 +284,15 @@ def test_a_crash_mid_epoch_resumes_with_another_world_size(step_runs, storage):
     ]  # --num-to-keep 2, step checkpoints named by epoch and step
 
 
-def test_mlflow_holds_each_run_once_across_a_restart_a_rerun_and_an_eval(step_runs, mlflow_server, tmp_path):
+def test_mlflow_holds_each_run_once_across_a_restart_a_rerun_and_an_eval(
+    step_crash, step_rerun, mlflow_server, tmp_path
+):
     """--mlflow: the run Ray Train restarted and the run that failed and was rerun are one MLflow
     run each, whose params are the checkpoint's config.yaml and whose metrics are metrics.csv's
     rows, each step once (tests/test_tracking.py: steps logged past the checkpoint); ``eval
     --mlflow`` adds its outputs to the run of the checkpoint's run folder."""
-    resumed = json.loads(step_runs["resumed"][1].strip().splitlines()[-1])
-    by_name = {"fp64-two": step_runs["two"], "fp64-step-crash-w1": resumed}
+    resumed = json.loads(step_rerun["resumed"][1].strip().splitlines()[-1])
+    by_name = {"fp64-two": step_crash, "fp64-step-crash-w1": resumed}
     runs = runs_of(mlflow_server, "ddp-steps")
     assert sorted(run.info.run_name for run in runs) == sorted(by_name)
     out = tmp_path / "eval"
@@ -340,12 +316,66 @@ def test_mlflow_holds_each_run_once_across_a_restart_a_rerun_and_an_eval(step_ru
     }
 
 
-def test_model_pt_loads_strict_into_plain_model(step_runs):
+def test_the_recipe_run_crashed_once_and_ended(recipe_crash, recipe_crash_marker):
+    assert recipe_crash_marker.read_text() == "rank 1 crashed after step 7\n"
+    assert recipe_crash["epochs"] == 2 and recipe_crash["world_size"] == 2
+    assert recipe_crash["world_size_history"] == [[0, 2], [6, 2]]  # resumed at step 6's checkpoint
+
+
+def test_the_run_log_continues_at_the_checkpoint_without_duplicated_or_missing_steps(
+    fp64_one, step_crash, step_rerun, recipe_crash
+):
+    """Crashed after step 8 and resumed from the checkpoint after it (by Ray Train, or by a rerun of
+    the name with another world size), every step and epoch is logged once, in metrics.csv and in
+    the TensorBoard events; the epochs' numbers are the uninterrupted run's."""
+    resumed = json.loads(step_rerun["resumed"][1].strip().splitlines()[-1])
+    one = checked_run_log(fp64_one["run"], steps=10, epochs=2, steps_per_epoch=5, log_every=0)
+    for run in (step_crash, resumed):
+        rows = checked_run_log(run["run"], steps=10, epochs=2, steps_per_epoch=5)
+        epochs = [r for r in rows if r["kind"] == "epoch"]
+        for name in ("train_loss", "val_loss", "val_accuracy", "lr"):
+            assert [float(r[name]) for r in epochs] == pytest.approx([float(r[name]) for r in one], rel=1e-9)
+    crash_after_epoch = checked_run_log(recipe_crash["run"], steps=10, epochs=2, steps_per_epoch=5, log_every=0)
+    assert crash_after_epoch[-1]["val_accuracy"] == repr(recipe_crash["val_accuracy"])
+
+
+def test_resume_after_crash_equals_uninterrupted_run(recipe_crash, recipe_two_by_two):
+    """2 workers (augmented with the recipe, a loader process each) crash after global step 7 and
+    resume at step 6's checkpoint: the model and its weight average are the uninterrupted 2-worker
+    run's (with 2 loader processes each, which
+    test_loader_processes_and_augmentation_keep_both_invariances shows changes nothing)."""
+    crashed, uninterrupted = recipe_crash, recipe_two_by_two
+    assert max_abs_diff(load_model_pt(uninterrupted), load_model_pt(crashed)) < 1e-9
+    assert max_abs_diff(load_ema_pt(uninterrupted), load_ema_pt(crashed)) < 1e-9
+
+
+def test_loader_processes_and_augmentation_keep_both_invariances(
+    fp64_one, recipe_one_loaders, recipe_two_by_two, recipe_crash
+):
+    """1 worker with 2 loader processes, 2 workers with 2 each, and 2 workers with 1 each (the run
+    that also crashed once: test_resume_after_crash_equals_uninterrupted_run) train one model and
+    one weight average, with every option of the recipe on."""
+    one_run = recipe_one_loaders
+    one, one_ema = load_model_pt(one_run), load_ema_pt(one_run)
+    assert recipe_two_by_two["world_size"] == recipe_crash["world_size"] == 2
+    for run in (recipe_two_by_two, recipe_crash):
+        assert max_abs_diff(one, load_model_pt(run)) < 1e-9
+        assert max_abs_diff(one_ema, load_ema_pt(run)) < 1e-9
+        assert run["val_accuracy_ema"] == one_run["val_accuracy_ema"]
+    assert max_abs_diff(one, load_model_pt(fp64_one)) > 1e-3  # augmentation did change the batches
+    assert max_abs_diff(one, one_ema) > 1e-3  # the average is not the model
+    # the optimizer the workers built: conv/linear weights at --weight-decay, the rest at --norm-weight-decay
+    state = torch.load(Path(one_run["checkpoint"]) / "train_state.pt", map_location="cpu", weights_only=False)
+    decays = {round(group["weight_decay"], 12) for group in state["optimizer"]["param_groups"]}
+    assert decays == {5e-4, 0.01}, decays
+
+
+def test_model_pt_loads_strict_into_plain_model(step_crash):
     model = build_model("resnet18", 10, in_channels=1, small_stem=True)
-    state = load_model_pt(step_runs["two"])  # 2 workers: the model was wrapped in DDP
+    state = load_model_pt(step_crash)  # 2 workers: the model was wrapped in DDP
     assert not any(k.startswith("module.") for k in state)
     model.load_state_dict(state, strict=True)
-    assert step_runs["two"]["val_count"] == 80
+    assert step_crash["val_count"] == 80
 
 
 @pytest.fixture(scope="module")
