@@ -11,7 +11,12 @@ one for every rank of the largest variant (as the trainers decide), and ``join_t
 puts a torchrun rank on it. ``in_fresh_process`` runs a one-process reference in a child that
 exits, so its CUDA context and cached memory are gone before the measured runs use the GPU.
 
-Invariants: ``summarize`` never sees an empty list (``timed`` refuses ``steps < 1``); results are
+``pooled`` makes the runs of several rounds (each side's sweep measured in turn, so that a shared
+machine's drift hits the sides alike) one run a point.
+
+Invariants: ``summarize`` never sees an empty list (``timed`` refuses ``steps < 1``); ``pooled``
+pools rounds only of the same points in the same order (``zip(strict=True)``) and keeps each
+round's median next to the pooled figure; results are
 written atomically (a half-written ``results.json`` never exists); plots use matplotlib's Agg
 backend, so no display is needed; a torchrun that fails raises, with the tail of its stderr.
 """
@@ -179,3 +184,23 @@ def _save(fig: Any, ax: Any, path: Path, ylabel: str, title: str) -> None:
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     write_local(path, png_bytes(fig, dpi=120))
+
+
+def pooled(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The runs of several rounds of one sweep (the same points in the same order) as one: per
+    point, each figure of its ``samples`` pooled over the rounds (``samples`` then holds every
+    round's) and summarized, its per-round medians under ``round_medians``, and the first round's
+    other entries (busy seconds per stage, activation memory: figures measured once a point)."""
+    runs = []
+    for same in zip(*rounds, strict=True):
+        samples = {figure: [value for run in same for value in run["samples"][figure]] for figure in same[0]["samples"]}
+        first = {key: value for key, value in same[0].items() if key not in samples}
+        runs.append(
+            {
+                **first,
+                **{figure: summarize(values) for figure, values in samples.items()},
+                "samples": samples,
+                "round_medians": {figure: [run[figure]["median"] for run in same] for figure in samples},
+            }
+        )
+    return runs

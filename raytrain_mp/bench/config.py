@@ -58,6 +58,12 @@ class BenchDDPConfig:
         group="benchmark",
     )
     compile_mode: str = option("default", "--compile: torch.compile's mode", COMPILE_MODES, group="benchmark")
+    rounds: int = option(
+        1,
+        "rounds of every side in turn (torchrun's, then Ray Train's), each side's steps pooled: a shared machine's "
+        "drift then hits both alike",
+        group="benchmark",
+    )
     steps: int = option(40, "timed steps per figure")
     warmup: int = option(10, "untimed steps before them")
     lr: float = option(0.01, "SGD learning rate")
@@ -79,6 +85,7 @@ class BenchDDPConfig:
         check(self.cpus_per_worker >= 1, "cpus_per_worker", f"must be >= 1, got {self.cpus_per_worker}")
         check(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be > 0, got {self.bucket_cap_mb}")
         check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        check(self.rounds >= 1, "rounds", f"must be >= 1, got {self.rounds}")
         check_choice(self, "compile_mode")
         check(self.compile or self.compile_mode == "default", "compile_mode", "needs --compile")
 
@@ -88,7 +95,7 @@ class BenchDDPConfig:
         plain = {
             k: v
             for k, v in dataclasses.asdict(self).items()
-            if k not in ("out", "address", "json", "num_workers", "verbose", "compile")
+            if k not in ("out", "address", "json", "num_workers", "verbose", "compile", "rounds")
         }
         return {**plain, "compiled": compiled, "compile_cache": cache}
 

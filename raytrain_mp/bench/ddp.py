@@ -21,8 +21,12 @@ per-GPU batch; its figure holds the peak memory of each GPU, where GPU 0's extra
 
 Invariants:
 - Both sides see the same model, seed, per-worker batch, thread count and in-memory data.
-- The bare runs go first, before this command starts Ray, so Ray's idle daemons do not share the
-  CPUs with them (``ray_running_during_bare`` says whether Ray was already up, as in tests).
+- ``--rounds`` runs every side that many times in turn, and each side's timed steps of all rounds
+  are pooled (``bench.common.pooled``, each round's median kept): the sides alternate within
+  minutes, so a shared machine's drift hits them alike. Start-up and first-step seconds are the
+  first round's (the compiled sides' cold ones).
+- In each round the bare runs go first, before the round starts Ray, so Ray's idle daemons do not
+  share the CPUs with them (``ray_running_during_bare`` says whether Ray was already up, as in tests).
 - Start-up is the wall time from launching (``fit()`` / starting torchrun) to the first step;
   throughput never includes it.
 - No variant asks for more GPUs than exist: one that would is listed under ``skipped`` with the
@@ -51,6 +55,7 @@ from raytrain_mp.bench.common import (
     bench_use_gpu,
     in_fresh_process,
     machine,
+    pooled,
     summarize,
     torchrun,
     write_results,
@@ -76,7 +81,7 @@ def measure_steps(
     over GPUs 0..``data_parallel_gpus``-1 when that is 2 or more, each GPU a worker's batch); the
     rank's figures.
 
-    Returns plain numbers (Ray Train's report wants them): the median, min and max step seconds,
+    Returns plain values (Ray Train's report wants them): ``step_seconds``, each timed step's,
     ``first_step_at``, the wall-clock time (``time.time()``) at which the first step started, and
     on CUDA ``peak_memory_bytes`` of the rank's GPU (of each GPU, a list, under DataParallel)."""
     torch.set_num_threads(settings["cpus_per_worker"])  # Ray and torchrun set OMP_NUM_THREADS; torch's pool is ours
@@ -131,7 +136,7 @@ def measure_steps(
         if i >= settings["warmup"]:
             seconds.append(time.perf_counter() - start)
     figures: dict[str, Any] = {
-        **{f"step_{k}": v for k, v in summarize(seconds).items()},
+        "step_seconds": seconds,
         "first_step_at": first_step_at,
         "first_step_seconds": first_step_seconds,
     }
@@ -170,20 +175,21 @@ def distributed_model(
     return ddp
 
 
-def throughput(figures: dict[str, float], samples_per_step: int) -> dict[str, Any]:
-    """samples/s from step seconds: median from the median step, min from the slowest, max from the fastest."""
+def throughput(figures: dict[str, Any], samples_per_step: int) -> dict[str, Any]:
+    """Step seconds and samples/s of each timed step, summarized; the steps under ``samples`` (so
+    that ``bench.common.pooled`` pools rounds)."""
+    samples = {
+        "step_seconds": figures["step_seconds"],
+        "samples_per_second": [samples_per_step / seconds for seconds in figures["step_seconds"]],
+    }
     return {
         **{
             key: figures[key]
             for key in ("first_step_seconds", "graphs_from_cache", "graphs_compiled")
             if key in figures
         },
-        "step_seconds": {"median": figures["step_median"], "min": figures["step_min"], "max": figures["step_max"]},
-        "samples_per_second": {
-            "median": samples_per_step / figures["step_median"],
-            "min": samples_per_step / figures["step_max"],
-            "max": samples_per_step / figures["step_min"],
-        },
+        **{figure: summarize(values) for figure, values in samples.items()},
+        "samples": samples,
     }
 
 
@@ -307,12 +313,32 @@ def data_parallel(cfg: BenchDDPConfig, threads: int, skipped: list[dict[str, Any
     return None
 
 
-def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
-    """The references and the bare runs, then (starting Ray unless connected) the Ray Train runs;
-    write results.json and the plot."""
-    import ray
-
+def one_round(cfg: BenchDDPConfig, caches: str, skipped: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each side's runs once, torchrun's first, before this round starts Ray (unless connected):
+    eager, then (``--compile``) compiled into a cache of the side's own in ``caches``, ours twice,
+    the second on the cache the first filled (the first round's: cold, then as a restart)."""
     from raytrain_mp.cluster import cluster_totals, ray_connection
+
+    gpus = torch.cuda.device_count()
+    sides = {"torchrun": measured(cfg, "torchrun", gpus, "this machine", lambda w: bare(cfg, w), skipped)}
+    if cfg.compile:
+        sides["torchrun_compiled"] = measured(
+            cfg, "torchrun_compiled", gpus, "this machine", lambda w: bare(cfg, w, "torch", f"{caches}/t{w}"), skipped
+        )
+    with ray_connection(cfg.address, cfg.verbose), tempfile.TemporaryDirectory(prefix="bench-ddp-ray-") as storage:
+        gpus, where = cluster_totals()[1], "the Ray cluster"
+        sides["ray_train"] = measured(cfg, "ray_train", gpus, where, lambda w: ours(cfg, w, storage), skipped)
+        for side in ("ray_train", "ray_train_warm") if cfg.compile else ():
+            sides[f"{side}_compiled"] = measured(
+                cfg, f"{side}_compiled", gpus, where, lambda w: ours(cfg, w, storage, "ours", f"{caches}/r{w}"), skipped
+            )
+    return sides
+
+
+def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
+    """The references, then ``--rounds`` rounds of every side (``one_round``), each side's rounds
+    pooled; write results.json and the plot."""
+    import ray
 
     check_model(cfg.model, cfg.num_classes, 3, cfg.image_size, cfg.small_stem)  # before any process starts
     cfg = dataclasses.replace(cfg, use_gpu=bench_use_gpu(cfg.use_gpu, max(cfg.num_workers)))
@@ -328,29 +354,15 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
     skipped: list[dict[str, Any]] = []
     reference = in_fresh_process(one_process, cfg, threads)
     dp = data_parallel(cfg, threads, skipped)
-    gpus = torch.cuda.device_count()
-    bare_runs = measured(cfg, "torchrun", gpus, "this machine", lambda w: bare(cfg, w), skipped)
-    compiled: dict[str, list[dict[str, Any]]] = {}
-    # --compile: each compiled side starts from an empty cache of its own; ours then runs again on
-    # the cache it filled, as a restart does ("warm").
     with tempfile.TemporaryDirectory(prefix="bench-ddp-compile-") as caches:
-        if cfg.compile:
-            compiled["torchrun"] = measured(
-                cfg,
-                "torchrun_compiled",
-                gpus,
-                "this machine",
-                lambda w: bare(cfg, w, "torch", f"{caches}/t{w}"),
-                skipped,
-            )
-        with ray_connection(cfg.address, cfg.verbose), tempfile.TemporaryDirectory(prefix="bench-ddp-ray-") as storage:
-            gpus = cluster_totals()[1]
-            ray_runs = measured(cfg, "ray_train", gpus, "the Ray cluster", lambda w: ours(cfg, w, storage), skipped)
-            for side in ("ray_train", "ray_train_warm") if cfg.compile else ():
-                compiled[side] = measured(
-                    cfg, f"{side}_compiled", gpus, "the Ray cluster",
-                    lambda w: ours(cfg, w, storage, "ours", f"{caches}/r{w}"), skipped,
-                )  # fmt: skip
+        rounds = []
+        for r in range(cfg.rounds):
+            if cfg.rounds > 1:
+                print(f"round {r + 1} of {cfg.rounds}", flush=True)
+            rounds.append(one_round(cfg, caches, skipped if r == 0 else []))  # a skip is the same each round
+    runs = {side: pooled([each[side] for each in rounds]) for side in rounds[0]}
+    bare_runs, ray_runs = runs["torchrun"], runs["ray_train"]
+    compiled = {side: runs[f"{side}_compiled"] for side in ("torchrun", "ray_train", "ray_train_warm") if cfg.compile}
     ratios = over(ray_runs, bare_runs)
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -374,13 +386,14 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
     results = {
         "benchmark": "ddp",
         "machine": host,
-        "settings": {**cfg.settings(), "num_workers": list(cfg.num_workers)},
+        "settings": {**cfg.settings(), "num_workers": list(cfg.num_workers), "rounds": cfg.rounds},
         "ray_running_during_bare": ray_was_running,
         "one_process": reference,
         "data_parallel": dp,
         "bare_torchrun": bare_runs,
         "ray_train": ray_runs,
         "ours_over_bare": ratios,
+        "ours_over_bare_by_round": over(ray_runs, bare_runs, by_round=True),
         **(compiled_figures(compiled, bare_runs, ray_runs) if cfg.compile else {}),
         "skipped": skipped,
         "elapsed_seconds": time.perf_counter() - started,
@@ -393,14 +406,21 @@ def run_bench_ddp(cfg: BenchDDPConfig) -> dict[str, Any]:
 COMPILED_RATIOS = ("compiled_ours_over_bare_eager", "compiled_ours_over_bare_compiled")
 
 
-def over(runs: list[dict[str, Any]], peers: list[dict[str, Any]]) -> dict[str, float]:
-    """Median samples/s of each of ``runs`` over the ``peers`` run of its worker count."""
+def over(runs: list[dict[str, Any]], peers: list[dict[str, Any]], by_round: bool = False) -> dict[str, Any]:
+    """Median samples/s of each of ``runs`` over the ``peers`` run of its worker count (pooled, or
+    ``by_round``: a list, round by round, how far the pooled ratio moves with the machine's drift)."""
     by_workers = {peer["workers"]: peer for peer in peers}
     return {
-        str(r["workers"]): r["samples_per_second"]["median"] / by_workers[r["workers"]]["samples_per_second"]["median"]
+        str(r["workers"]): [a / b for a, b in zip(medians(r), medians(by_workers[r["workers"]]), strict=True)]
+        if by_round
+        else r["samples_per_second"]["median"] / by_workers[r["workers"]]["samples_per_second"]["median"]
         for r in runs
         if r["workers"] in by_workers
     }
+
+
+def medians(run: dict[str, Any]) -> list[float]:
+    return run["round_medians"]["samples_per_second"]
 
 
 def compiled_figures(
@@ -420,6 +440,7 @@ def compiled_figures(
         "ray_train_compiled_warm": compiled["ray_train_warm"],
         "compiled_ours_over_bare_eager": over(compiled["ray_train"], bare_runs),
         "compiled_ours_over_bare_compiled": over(compiled["ray_train"], compiled["torchrun"]),
+        "compiled_ours_over_bare_compiled_by_round": over(compiled["ray_train"], compiled["torchrun"], by_round=True),
         "compiled_ours_over_ours_eager": over(compiled["ray_train"], ray_runs),
         "first_step_seconds": first_steps,
     }

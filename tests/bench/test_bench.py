@@ -343,6 +343,8 @@ def test_bench_ddp_smoke(ray_session, tmp_path):
     assert set(results["first_step_seconds"]["1"]) == {
         "torchrun_eager", "ray_train_eager", "torchrun_compiled", "ray_train_compiled", "ray_train_warm_compiled"
     }  # fmt: skip
+    assert results["ours_over_bare_by_round"] == {"1": [pytest.approx(results["ours_over_bare"]["1"])]}  # 1 round
+    assert results["settings"]["rounds"] == 1
     assert results["one_process"]["device"] == "cpu" and results["settings"]["use_gpu"] is False
     assert results["data_parallel"] is None
     assert results["skipped"] == [
@@ -523,6 +525,7 @@ def test_bench_bad_input(capsys, tmp_path):
     )
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--num-workers", "0"), "--num-workers")
     assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--steps", "0"), "--steps")
+    assert_usage_error(run_cli(capsys, "bench", "ddp", "--out", out, "--rounds", "0"), "--rounds: must be >= 1, got 0")
     assert_usage_error(run_cli(capsys, "bench", "ddp"), "--out")
     assert_usage_error(
         run_cli(capsys, "bench", "data", "--out", out, "--loader-workers", "0,1"),
@@ -578,7 +581,7 @@ def test_hybrid_layouts_cover_every_factoring_of_the_workers():
 
 
 def test_rounds_pool_each_points_samples_and_keep_the_rounds_medians():
-    from raytrain_mp.bench.pipeline.shared import pooled
+    from raytrain_mp.bench.common import pooled
 
     def run(m: int, steps: list[float], extra: dict) -> dict:
         return {
@@ -602,6 +605,26 @@ def test_rounds_pool_each_points_samples_and_keep_the_rounds_medians():
     ]  # fmt: skip
     with pytest.raises(ValueError):  # rounds that ran different points cannot be pooled
         pooled([first, second[:1]])
+
+
+def test_bench_ddp_pools_its_rounds_and_says_the_ratio_of_each():
+    """Two rounds of the DDP step on each side, 2 workers of 4 samples: the sides' steps pooled, and
+    ours over torchrun pooled (the medians' ratio) and round by round."""
+    from raytrain_mp.bench.common import pooled
+    from raytrain_mp.bench.ddp import over, throughput
+
+    def runs(*steps: list[float]) -> list[dict]:
+        return [{"workers": 2, **throughput({"step_seconds": s, "first_step_seconds": 9.0}, 8)} for s in steps]
+
+    bare = pooled([runs([1.0, 2.0, 3.0]), runs([4.0, 4.0, 4.0])])
+    ours = pooled([runs([2.0, 2.0, 2.0]), runs([8.0, 4.0, 4.0])])
+    # each step's samples/s pooled (8, 4, 8/3, then 2, 2, 2): the median of the even count is a mean of two
+    assert bare[0]["samples_per_second"] == {"median": (2.0 + 8 / 3) / 2, "min": 2.0, "max": 8.0}
+    assert bare[0]["round_medians"]["samples_per_second"] == [4.0, 2.0] and bare[0]["first_step_seconds"] == 9.0
+    assert ours[0]["samples"]["step_seconds"] == [2.0, 2.0, 2.0, 8.0, 4.0, 4.0]
+    assert over(ours, bare) == {"2": pytest.approx(3.0 / ((2.0 + 8 / 3) / 2))}  # ours: 4, 4, 4, 1, 2, 2
+    assert over(ours, bare, by_round=True) == {"2": [1.0, 1.0]}
+    assert over(ours, bare[:0]) == {}  # a worker count the peer skipped has no ratio
 
 
 @pytest.mark.slow

@@ -27,10 +27,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from raytrain_mp.bench.common import torchrun
+from raytrain_mp.bench.common import pooled, torchrun
 from raytrain_mp.bench.config import BenchPipelineConfig
 from raytrain_mp.bench.pipeline.layouts import layout_runs
-from raytrain_mp.bench.pipeline.shared import Sweep, pooled, progress
+from raytrain_mp.bench.pipeline.shared import Sweep, progress
 
 
 def resnet_case(

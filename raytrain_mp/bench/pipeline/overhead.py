@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from raytrain_mp.bench.common import pooled
 from raytrain_mp.bench.config import BenchPipelineConfig
 from raytrain_mp.bench.pipeline.native import native_runs
 from raytrain_mp.bench.pipeline.shared import (
@@ -48,7 +49,6 @@ from raytrain_mp.bench.pipeline.shared import (
     even_cut,
     find_run,
     in_ms,
-    pooled,
     seeded_mlp,
     virtual_stages,
 )

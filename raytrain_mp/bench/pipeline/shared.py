@@ -1,5 +1,5 @@
 """What the cases of ``raytrain-mp bench pipeline`` share: the seeded model and batch every variant
-starts from, the optimizer, a sweep's description, progress lines, and pooling rounds.
+starts from, the optimizer, a sweep's description and progress lines.
 
 Job: give ours and the native peer (``bench.pipeline_native`` imports ``seeded_setup``,
 ``seeded_mlp``, ``sgd``, ``stage_modules`` and ``virtual_stages`` from here) the same model,
@@ -10,8 +10,6 @@ Invariants:
   same weights and batch in every process.
 - ``even_cut`` and ``stage_modules`` cut by block names (``flatten_model``), so a cut travels as
   JSON and both sides build the same stages from it.
-- ``pooled`` pools rounds only of the same points in the same order (``zip(strict=True)``), and
-  keeps each round's median next to the pooled figure.
 - ``Sweep`` holds plain values: it travels as JSON to the native ranks.
 """
 
@@ -24,7 +22,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from raytrain_mp.bench.common import summarize
 from raytrain_mp.models import build_model
 from raytrain_mp.optim import build_optimizer
 from raytrain_mp.pipeline import StageModule, flatten_model
@@ -113,23 +110,3 @@ def in_ms(step_seconds: dict[str, float]) -> dict[str, float]:
 
 def find_run(layout: dict[str, Any], schedule: str, m: int) -> dict[str, Any] | None:
     return next((r for r in layout["runs"] if r["schedule"] == schedule and r["microbatches"] == m), None)
-
-
-def pooled(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The runs of several rounds of one sweep (the same points in the same order) as one: per
-    point, each figure of its ``samples`` pooled over the rounds (``samples`` then holds every
-    round's) and summarized, its per-round medians under ``round_medians``, and the first round's
-    other entries (busy seconds per stage, activation memory: figures measured once a point)."""
-    runs = []
-    for same in zip(*rounds, strict=True):
-        samples = {figure: [value for run in same for value in run["samples"][figure]] for figure in same[0]["samples"]}
-        first = {key: value for key, value in same[0].items() if key not in samples}
-        runs.append(
-            {
-                **first,
-                **{figure: summarize(values) for figure, values in samples.items()},
-                "samples": samples,
-                "round_medians": {figure: [run[figure]["median"] for run in same] for figure in samples},
-            }
-        )
-    return runs

@@ -18,7 +18,7 @@ Invariants:
   stage's forward and backward apart: the stages are rarely equal on a CPU, where per-sample cost
   depends on the micro-batch size).
 - Each figure keeps its timed steps under ``samples``, so that rounds can be pooled
-  (``shared.pooled``).
+  (``bench.common.pooled``).
 """
 
 from __future__ import annotations
