@@ -97,13 +97,13 @@ def fp64_data(tmp_path_factory) -> str:
 def fp64_one(ray_session, fp64_data, storage) -> dict:
     """The 1-worker fp64 run, which the others are compared to; alone, for a test that needs only it
     (scripts/gpu_check.sh runs the GPU one with a single CPU fit)."""
-    return fp64_fits(storage, fp64_data, {"one": ["--num-workers", "1"]})["one"]
+    return fp64_fit(storage, fp64_data, "one", "--num-workers", "1")
 
 
 @pytest.fixture(scope="module")
 def fp64_runs(fp64_one, fp64_data, storage):
-    runs = {"two_no_sync": ["--num-workers", "2", "--no-sync-bn"]}
-    return {"one": fp64_one, **fp64_fits(storage, fp64_data, runs), "data": fp64_data}
+    two_no_sync = fp64_fit(storage, fp64_data, "two_no_sync", "--num-workers", "2", "--no-sync-bn")
+    return {"one": fp64_one, "two_no_sync": two_no_sync, "data": fp64_data}
 
 
 def fp64_argv(data: str, storage: str, name: str, *extra: str, use_gpu: bool = False) -> list[str]:
@@ -123,8 +123,9 @@ def fp64_argv(data: str, storage: str, name: str, *extra: str, use_gpu: bool = F
     ]
 
 
-def fp64_fits(storage: str, data: str, runs: dict[str, list[str]]) -> dict:
-    return {key: run_cli_json(*fp64_argv(data, storage, f"fp64-{key}", *extra)) for key, extra in runs.items()}
+def fp64_fit(storage: str, data: str, key: str, *extra: str) -> dict:
+    """The JSON result of the fp64 run ``fp64-KEY`` with ``extra`` options."""
+    return run_cli_json(*fp64_argv(data, storage, f"fp64-{key}", *extra))
 
 
 @pytest.fixture(scope="module")
@@ -133,17 +134,15 @@ def recipe_crash_marker(tmp_path_factory) -> Path:
 
 
 # The recipe runs (--augment, every option of ``RECIPE``, loader processes), a fixture each, so that
-# no test's setup holds more than one new fit (a fixture's fits must end within one test's timeout
-# on a busy machine, and CI once spent over 900 s on a setup of four).
+# no test's setup starts more than one of them (a test's setup must end within its timeout on a busy
+# machine, and CI once spent over 900 s on a setup of four fits).
 @pytest.fixture(scope="module")
 def recipe_crash(fp64_runs, storage, recipe_crash_marker) -> dict:
     """2 workers with a loader process each, crashing once after global step 7 (mid-epoch 2, resumed
     from the checkpoint at step 6, its loader processes kept across the restart): it carries both
     the loader invariance and the resume after a crash."""
     crash = ["--max-failures", "1", "--checkpoint-every-steps", "2", "--inject-fault", f"1:s7:{recipe_crash_marker}"]
-    return fp64_fits(storage, fp64_runs["data"], {"two_crash": [*RECIPE_FLAGS, "2", "--loader-workers", "1", *crash]})[
-        "two_crash"
-    ]
+    return fp64_fit(storage, fp64_runs["data"], "two_crash", *RECIPE_FLAGS, "2", "--loader-workers", "1", *crash)
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +157,7 @@ def recipe_two_by_two(fp64_runs, storage) -> dict:
 @pytest.fixture(scope="module")
 def recipe_one_loaders(fp64_runs, storage) -> dict:
     """1 worker with 2 loader processes."""
-    return fp64_fits(storage, fp64_runs["data"], {"one_loaders": [*RECIPE_FLAGS, "1", "--loader-workers", "2"]})[
-        "one_loaders"
-    ]
+    return fp64_fit(storage, fp64_runs["data"], "one_loaders", *RECIPE_FLAGS, "1", "--loader-workers", "2")
 
 
 # torchvision's recipe (issue 49): per-sample auto-augment and random erasing, mixup or cutmix a
@@ -207,7 +204,7 @@ def test_without_sync_bn_the_model_differs(fp64_runs):
 
 # The step runs: checkpointed every 2 steps, crashed after global step 8 of 10 (step 3 of epoch 2),
 # each logging to MLflow (``MLFLOW_TRACKING_URI``, experiment ``ddp-steps``); the uninterrupted run
-# they end as is ``fp64_one``. A fixture each, as the recipe runs below.
+# they end as is ``fp64_one``. A fixture each, as the recipe runs above.
 STEP_FLAGS = ["--checkpoint-every-steps", "2", "--log-every", "1", "--mlflow", "--mlflow-experiment", "ddp-steps"]
 
 
@@ -219,7 +216,7 @@ def step_crash(fp64_data, storage, tmp_path_factory, mlflow_server) -> dict:
     crash = ["--num-workers", "2", *STEP_FLAGS, "--max-failures", "1", "--inject-fault", f"1:s8:{marker}"]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MLFLOW_TRACKING_URI", mlflow_server)
-        return {**fp64_fits(storage, fp64_data, {"two": crash})["two"], "marker": marker}
+        return {**fp64_fit(storage, fp64_data, "two", *crash), "marker": marker}
 
 
 @pytest.fixture(scope="module")
