@@ -21,7 +21,7 @@ waited for.
 Quiet by default: the terminal shows the commands' own lines and Ray's warnings and errors; Ray's
 informational lines (and the known-harmless notices in ``HARMLESS_NOTICES``) stay in Ray's log
 files, and ``verbose`` brings them back. This is done with Ray's and Python's logging settings
-(the driver's ``logging_level``, Ray Train's ``LoggingConfig``), never by filtering output text.
+(the driver's ``logging_level``; Ray Train's controller: ``train_logs``), never by filtering output text.
 """
 
 from __future__ import annotations
@@ -197,13 +197,6 @@ def silence_harmless_notices() -> None:
         logger = logging.getLogger(logger_name)
         if not any(isinstance(f, _DropNotice) and f.start == start for f in logger.filters):
             logger.addFilter(_DropNotice(start))
-
-
-def train_log_level(verbose: bool) -> str:
-    """Ray Train's console log level (``RunConfig.logging_config``): its INFO lines (resource
-    requests, the worker group's table, checkpoint paths) only with ``verbose``; its log files
-    keep them either way."""
-    return "INFO" if verbose else "WARNING"
 
 
 def quiet_ray_train_logs() -> None:

@@ -194,19 +194,26 @@ def ray_session():
 
 
 @pytest.fixture
-def stale_ray_tmpdir():
-    """A Ray temp dir whose ``ray_current_cluster`` names a head that is gone, as a ``ray start
-    --head`` that died uncleanly leaves it (short: Ray's socket paths must fit in 107 bytes)."""
+def short_tmpdir():
+    """A Ray temp dir of its own, removed afterwards (short: Ray's socket paths must fit in 107 bytes)."""
     import shutil
+    import tempfile
     from pathlib import Path
 
-    from helpers import closed_port
-
-    folder = Path(f"/tmp/rts-{os.getpid()}")
-    (folder / "ray").mkdir(parents=True, exist_ok=True)
-    (folder / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{closed_port()}\n")
+    folder = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def stale_ray_tmpdir(short_tmpdir):
+    """A Ray temp dir whose ``ray_current_cluster`` names a head that is gone, as a ``ray start
+    --head`` that died uncleanly leaves it."""
+    from helpers import closed_port
+
+    (short_tmpdir / "ray").mkdir()
+    (short_tmpdir / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{closed_port()}\n")
+    return short_tmpdir
 
 
 @pytest.fixture(scope="session")

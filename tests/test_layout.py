@@ -49,6 +49,7 @@ SHARED_MODULES = {
     "storage",
     "tracking",
     "tracking_options",
+    "train_logs",
     "views",
     "watchdog",
 }

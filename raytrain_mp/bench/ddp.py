@@ -240,10 +240,11 @@ def ours(
     cfg: BenchDDPConfig, workers: int, storage: str, compiled: str | None = None, cache: str | None = None
 ) -> dict[str, Any]:
     """``workers`` Ray Train workers, configured as ``ddp.trainer.build_trainer`` configures them."""
-    from ray.train import LoggingConfig, RunConfig, ScalingConfig
+    from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain_mp.cluster import check_fits, train_log_level
+    from raytrain_mp.cluster import check_fits
+    from raytrain_mp.train_logs import run_config_logging
 
     check_fits("--num-workers", workers, cfg.cpus_per_worker, 1 if cfg.use_gpu else 0)
     trainer = TorchTrainer(
@@ -258,7 +259,7 @@ def ours(
         run_config=RunConfig(
             name=f"bench-ddp-{workers}-{time.strftime('%H%M%S')}",
             storage_path=storage,
-            logging_config=LoggingConfig(log_level=train_log_level(cfg.verbose)),
+            **run_config_logging(cfg.verbose),
         ),
     )
     launched = time.time()

@@ -21,7 +21,6 @@ from ray.train import (
     CheckpointConfig,
     ControllerError,
     FailureConfig,
-    LoggingConfig,
     RunConfig,
     ScalingConfig,
     TrainingFailedError,
@@ -31,7 +30,7 @@ from ray.train import (
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_mp.checkpointing import EMA_FILE, MODEL_FILE, published_checkpoints, write_result
-from raytrain_mp.cluster import check_fits, environment, resolve_use_gpu, train_log_level
+from raytrain_mp.cluster import check_fits, environment, resolve_use_gpu
 from raytrain_mp.config import absolute_path
 from raytrain_mp.data import read_meta
 from raytrain_mp.data.dataset import checked_dataset
@@ -45,6 +44,7 @@ from raytrain_mp.interruption import Interrupted, carried_signal
 from raytrain_mp.progress import Console, note
 from raytrain_mp.storage import check_reachable, join, locate, name_of
 from raytrain_mp.tracking import tracked
+from raytrain_mp.train_logs import run_config_logging
 
 
 def with_checked_data(cfg: DDPConfig) -> DDPConfig:
@@ -98,8 +98,7 @@ def build_trainer(cfg: DDPConfig, callbacks: Sequence[UserCallback] = ()) -> Tor
             storage_path=cfg.storage_path,
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_to_keep),
-            callbacks=list(callbacks),
-            logging_config=LoggingConfig(log_level=train_log_level(cfg.verbose)),
+            **run_config_logging(cfg.verbose, callbacks),
         ),
     )
 

@@ -28,12 +28,12 @@ from functools import partial
 import ray.train
 import torch
 import torch.distributed as dist
-from ray.train import LoggingConfig, RunConfig, ScalingConfig
+from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from torch import nn
 
 from raytrain_mp.checkpointing import CHECKPOINT_PREFIX
-from raytrain_mp.cluster import check_fits, resolve_use_gpu, train_log_level
+from raytrain_mp.cluster import check_fits, resolve_use_gpu
 from raytrain_mp.compilation import check_compiler, compiler
 from raytrain_mp.config import absolute_path
 from raytrain_mp.data import ParquetImageDataset, read_meta
@@ -48,6 +48,7 @@ from raytrain_mp.precision import autocast_for
 from raytrain_mp.progress import note
 from raytrain_mp.storage import name_of
 from raytrain_mp.tracking import log_outputs
+from raytrain_mp.train_logs import run_config_logging
 from raytrain_mp.views import Views
 
 BATCH = 64  # the trainers' validation batch (ddp: max(micro-batch, 64)): the same sums, in the same order per rank
@@ -183,7 +184,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             run_config=RunConfig(
                 name=time.strftime("eval-%Y%m%d-%H%M%S"),
                 storage_path=storage,
-                logging_config=LoggingConfig(log_level=train_log_level(cfg.verbose)),
+                **run_config_logging(cfg.verbose),
             ),
         )
         trainer.fit()

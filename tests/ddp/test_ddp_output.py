@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -27,10 +28,12 @@ OWN_LINES = [
 ]
 
 
-def run_main_job(tmp_path, *extra: str, ray_tmpdir: str | None = None) -> subprocess.CompletedProcess:
+def run_main_job(
+    tmp_path, *extra: str, ray_tmpdir: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYTRAIN_MP_CACHE")}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYTRAIN_MP_CACHE")}, **(env or {})}
     env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", **({"RAY_TMPDIR": ray_tmpdir} if ray_tmpdir else {}))
     done = subprocess.run(
         ["raytrain-mp", "ddp", "--epochs", "1", *extra],
@@ -45,11 +48,17 @@ def run_main_job(tmp_path, *extra: str, ray_tmpdir: str | None = None) -> subpro
 
 
 @pytest.mark.slow
-def test_main_job_prints_only_its_own_lines(tmp_path):
-    done = run_main_job(tmp_path, "--log-every", "10")
+def test_main_job_prints_only_its_own_lines(tmp_path, short_tmpdir):
+    """Also where Ray's autoscaling coordinator answers late (a loaded machine): Ray Train's notice
+    of it, with its traceback, goes to Ray Train's system log, not to the terminal."""
+    late = {"RAY_TRAIN_CALLBACKS": "late_coordinator.LateCoordinator", "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = run_main_job(tmp_path, "--log-every", "10", ray_tmpdir=str(short_tmpdir), env=late)
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     foreign = [line for line in lines if not any(re.fullmatch(pattern, line) for pattern in OWN_LINES)]
     assert foreign == [], foreign
+    logs = short_tmpdir.glob("ray/session_*/logs/train/ray-train-sys-controller-*")
+    system_log = "".join(path.read_text() for path in logs)
+    assert "Failed to send resource request" in system_log and "Failed to cancel resource request" in system_log
     assert any(line.startswith("epoch 1/1 train_loss ") for line in lines) and "ddp training finished" in lines
     assert [line.split(" loss")[0] for line in lines if " eta " in line] == [
         "epoch 1/1 step 10/22",
