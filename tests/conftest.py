@@ -40,6 +40,14 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.3")
 # (a local Ray, simulated nodes on this machine) can be preempted, and the local Ray the commands
 # start turns it off the same way (``cluster.ray_connection``). Measured here: 2-4 s less a 2-worker fit.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# Ray's periodic bookkeeping that no test reads: the dashboard agent's stats of every process (every
+# 5 s), the autoscaler monitor's loop (every 5 s; no Ray here has an autoscaler; a test that needs a
+# node adds it) and the metrics every Ray process records and exports. An idle Ray burns a core's
+# 20-30% with them and 9-14% without (alternating 40 s samples here); the suite runs two session
+# Rays from start to end beside the commands' own, on a CPU-bound machine.
+os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
+os.environ.setdefault("AUTOSCALER_UPDATE_INTERVAL_S", "60")
+os.environ.setdefault("RAY_enable_metrics_collection", "0")
 for _name, _value in {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
