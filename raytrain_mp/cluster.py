@@ -19,14 +19,11 @@ automatic choice never asks an autoscaler for GPUs; an explicit ``--use-gpu`` is
 waited for.
 
 Quiet by default: the terminal shows the commands' own lines and Ray's warnings and errors; Ray's
-informational lines (and the known-harmless notices in ``HARMLESS_NOTICES``) stay in Ray's log
-files, and ``verbose`` brings them back. This is done with Ray's and Python's logging settings
-(the driver's ``logging_level``; Ray Train's controller: ``train_logs``), never by filtering output text.
+informational lines stay in Ray's log files, and ``verbose`` brings them back (``ray_logs``).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import sys
@@ -39,10 +36,7 @@ import ray
 import raytrain_mp.watchdog as watchdog
 from raytrain_mp.errors import UsageError
 from raytrain_mp.interruption import rearm
-
-# (logger, message start) of notices that say nothing a user must act on here: a locally started
-# Ray enables token authentication by itself and says so at WARNING on every start.
-HARMLESS_NOTICES = (("ray._private.authentication.authentication_token_setup", "Token authentication is enabled"),)
+from raytrain_mp.ray_logs import quiet_ray_train_logs, silence_harmless_notices
 
 
 @contextmanager
@@ -181,30 +175,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class _DropNotice(logging.Filter):
-    def __init__(self, start: str) -> None:
-        super().__init__()
-        self.start = start
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.start)
-
-
-def silence_harmless_notices() -> None:
-    for logger_name, start in HARMLESS_NOTICES:
-        logger = logging.getLogger(logger_name)
-        if not any(isinstance(f, _DropNotice) and f.start == start for f in logger.filters):
-            logger.addFilter(_DropNotice(start))
-
-
-def quiet_ray_train_logs() -> None:
-    """Our rank-0 progress lines are the progress; Ray Train's print patch would echo each twice
-    and its per-report log line repeats every metric. Users can set the variables to override."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    os.environ.setdefault("RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING", "0")
 
 
 def cluster_totals() -> tuple[float, float]:

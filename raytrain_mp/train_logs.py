@@ -1,18 +1,19 @@
 """What Ray Train's controller prints: the logging half of every ``RunConfig`` our commands build.
 
-Ray Train's controller is an actor of its own; its console lines reach the terminal through Ray's
-log forwarding, past the driver's logging settings (``cluster.ray_connection``). Two settings
-reach it:
+The controller is an actor of its own; its console lines reach the terminal through Ray's log
+forwarding, past the driver's settings (``ray_logs``). Two settings reach it
+(``run_config_logging``):
 
 - the level of its console (``LoggingConfig``): INFO (resource requests, the worker group's table,
   checkpoint paths) only with ``--verbose``; WARNING and above always;
 - ``DemoteTransientNotices``: the notices Ray Train itself calls safe to ignore when transient, a
   request to Ray's autoscaling coordinator that got no answer in its 5 s (a loaded machine, where
-  the coordinator actor is still starting), become INFO records: with ``--verbose`` they print,
-  and Ray Train's system log (``logs/train/ray-train-sys-controller-*.log``) keeps them either way.
-  Without it a newcomer's first run on a busy laptop ends in a 38-line traceback that means nothing.
+  the coordinator actor is still starting), become INFO records. Without it a newcomer's first run
+  on a busy laptop ends in a 38-line traceback that means nothing.
 
-Invariant: every record still reaches Ray Train's system log; only the console's level decides.
+Invariant: a record turned down here still reaches Ray Train's system log
+(``logs/train/ray-train-sys-controller-*.log``), and ``verbose`` prints it. Apart from ``ray_logs``
+because it imports Ray Train (Ray Data, pandas), which the pipeline's driver never needs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 from ray.train import LoggingConfig
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
+from raytrain_mp.ray_logs import NoticeFilter
+
 # (logger, message start) of Ray Train's transient notices, each followed by a traceback.
 _COORDINATOR_CLIENT = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
 TRANSIENT_NOTICES = (
@@ -32,23 +35,16 @@ TRANSIENT_NOTICES = (
 )
 
 
-class _Demote(logging.Filter):
-    def __init__(self, start: str) -> None:
-        super().__init__()
-        self.start = start
-
+class _Demote(NoticeFilter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.WARNING and record.getMessage().startswith(self.start):
+        if record.levelno == logging.WARNING and self.matches(record):
             record.levelno, record.levelname = logging.INFO, "INFO"
         return True
 
 
 def demote_transient_notices() -> None:
     """Make this process's ``TRANSIENT_NOTICES`` INFO records (idempotent)."""
-    for logger_name, start in TRANSIENT_NOTICES:
-        logger = logging.getLogger(logger_name)
-        if not any(isinstance(f, _Demote) and f.start == start for f in logger.filters):
-            logger.addFilter(_Demote(start))
+    _Demote.install(TRANSIENT_NOTICES)
 
 
 def _unpickled_in_the_controller() -> DemoteTransientNotices:

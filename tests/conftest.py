@@ -182,7 +182,7 @@ def no_tf32():
 def ray_session():
     import ray
 
-    from raytrain_mp.cluster import quiet_ray_train_logs
+    from raytrain_mp.ray_logs import quiet_ray_train_logs
 
     from helpers import session_cpus, session_gpus
 

@@ -49,6 +49,7 @@ SHARED_MODULES = {
     "storage",
     "tracking",
     "tracking_options",
+    "ray_logs",
     "train_logs",
     "views",
     "watchdog",

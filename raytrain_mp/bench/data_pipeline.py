@@ -78,7 +78,7 @@ def ray_with_cpus(cpus: int) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    from raytrain_mp.cluster import quiet_ray_train_logs, silence_harmless_notices
+    from raytrain_mp.ray_logs import quiet_ray_train_logs, silence_harmless_notices
 
     quiet_ray_train_logs()
     silence_harmless_notices()
