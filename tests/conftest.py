@@ -106,8 +106,8 @@ def mlflow_server(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("mlflow")
     port = closed_port()
     # MLflow 3's server starts a job runner and seven Huey consumers for its GenAI jobs, which no
-    # test uses. Measured here beside a running suite: serving after 63 s and 20 s of CPU, then a
-    # core's 4-26% while it runs, against 20 s, 7.6 s and 0.4% without them.
+    # test uses. Measured here beside a running suite: serving after 63 s and 20 s of CPU, then 26% of
+    # a core for a minute and 3.7% after, against 20 s, 7.6 s and 0.4% without them.
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     server = subprocess.Popen(
         ["mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
