@@ -7,11 +7,11 @@
 ``poll`` reads every process's own CPU time (utime + stime) twice a second and keeps, per process,
 its parent, when it was first seen, its CPU at the last sighting (less what it had used before
 polling began) and its latest title (Ray's workers retitle themselves ``ray::Class.method``).
-As a pytest plugin (``-p suite_cpu`` with
-``SUITE_CPU_SPANS`` set) this module writes each test's start and end, per pytest process, into
-that folder. ``report`` charges each process to the test its pytest worker ran when the process
-first appeared (following parents up to that worker), and prints CPU seconds by process kind, by
-test file and by test.
+As a pytest plugin (``-p suite_cpu`` with ``SUITE_CPU_SPANS`` set) this module writes each test's
+start and end, per pytest process, into that folder (``read_spans`` reads them back). ``report``
+charges each process to the test its pytest worker ran when the process first appeared
+(following parents up to that worker), and prints CPU seconds by process kind, by test file and
+by test.
 
 Why not psutil or ``resource`` around each test: Ray's daemons are reparented to PID 1 and the
 raylet does not reap its workers into anyone's child times, so a test's own accounting misses most
@@ -116,19 +116,24 @@ def attribute(rows: list[list[Any]], spans: dict[int, list[list[Any]]]) -> list[
     return charged
 
 
+def read_spans(folder: str | Path) -> dict[int, list[list[Any]]]:
+    """Per pytest process, its tests' [nodeid, start, end], as the plugin wrote them into ``folder``."""
+    return {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in Path(folder).glob("spans-*.json")}
+
+
 def report(poll_json: str, spans_dir: str, top: int = 40) -> None:
     rows = json.loads(Path(poll_json).read_text())
-    spans = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in Path(spans_dir).glob("spans-*.json")}
-    charged = attribute(rows, spans)
+    charged = attribute(rows, read_spans(spans_dir))
     by_kind, count = Counter(), Counter()
     by_file, by_test = Counter(), Counter()
     kinds_of_file: dict[str, Counter] = defaultdict(Counter)
     for test, what, cpu in charged:
+        test_file = test.split("::")[0]
         by_kind[what] += cpu
         count[what] += 1
         by_test[test] += cpu
-        by_file[test.split("::")[0]] += cpu
-        kinds_of_file[test.split("::")[0]][what] += cpu
+        by_file[test_file] += cpu
+        kinds_of_file[test_file][what] += cpu
     print(f"{sum(by_kind.values()):.0f} CPU seconds in {len(rows)} processes")
     print("\nby kind (seconds, processes):")
     for what, cpu in by_kind.most_common(top):

@@ -13,7 +13,7 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from suite_cpu import attribute, kind, sample  # noqa: E402
+from suite_cpu import attribute, kind, read_spans, sample  # noqa: E402
 
 
 def test_a_process_is_charged_to_the_test_its_pytest_process_ran_when_it_appeared():
@@ -80,7 +80,7 @@ def test_poll_and_the_plugin_charge_a_tests_child_to_that_test(tmp_path):
     finally:
         poller.send_signal(signal.SIGTERM)
         assert poller.wait(timeout=30) == 0
-    spans = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in (tmp_path / "spans").glob("spans-*.json")}
+    spans = read_spans(tmp_path / "spans")
     ((_, tests),) = spans.items()
     assert [node for node, _, _ in tests] == ["test_busy.py::test_idle", "test_busy.py::test_busy"]
     charged = attribute(json.loads((tmp_path / "cpu.json").read_text()), spans)
